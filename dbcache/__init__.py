@@ -1,0 +1,1 @@
+"""DBCache: an SQLite sample store for fixed validation sets."""

@@ -1,0 +1,1 @@
+"""The shardcache caching proxy daemon (aiohttp)."""

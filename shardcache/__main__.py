@@ -1,0 +1,5 @@
+import sys
+
+from shardcache.cli import main
+
+sys.exit(main())

@@ -1,0 +1,148 @@
+"""The exceptions shardcache raises.
+
+Every error is a :class:`ShardcacheError`; third-party errors are translated at the
+boundary (``raise GopenError(...) from exc``) so callers catch one family::
+
+    ShardcacheError
+    ├── GopenError (also OSError; alias GopenException)  -- opening/reading a URL failed
+    │   └── HTTPStatusError                               -- an HTTP server answered >= 400
+    ├── ShardFormatError (also ValueError)                -- a tar shard is truncated or corrupt
+    ├── CacheError (also OSError)                         -- the on-disk store failed
+    │   └── IncompleteDownloadError                       -- a source ended before its promised size
+    ├── ConfigError (also ValueError)                     -- a bad setting; names the flag
+    └── ProxyError                                        -- carries the HTTP status to answer with
+        ├── BadRequest (400) / Forbidden (403) / NotFound (404)
+        ├── MethodNotAllowed (405) / RangeNotSatisfiable (416)
+        └── UpstreamError (502)
+            └── UpstreamTimeout (504)
+
+Errors that the proxy turns into responses carry ``status_hint`` (after h11's
+``ProtocolError``), so handlers need no mapping tables.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ShardcacheError",
+    "GopenError",
+    "GopenException",
+    "HTTPStatusError",
+    "ShardFormatError",
+    "CacheError",
+    "IncompleteDownloadError",
+    "ConfigError",
+    "ProxyError",
+    "BadRequest",
+    "Forbidden",
+    "NotFound",
+    "MethodNotAllowed",
+    "RangeNotSatisfiable",
+    "UpstreamError",
+    "UpstreamTimeout",
+]
+
+
+class ShardcacheError(Exception):
+    """Base class of every error raised by shardcache."""
+
+
+class GopenError(ShardcacheError, OSError):
+    """Opening or reading a URL failed. The message names the URL and the cause."""
+
+    def __init__(self, url: str, cause: str) -> None:
+        self.url = url
+        self.cause = cause
+        super().__init__(f"{url}: {cause}")
+
+    def __str__(self) -> str:
+        return f"{self.url}: {self.cause}"
+
+    def __reduce__(self):  # picklable across DataLoader worker processes
+        return (type(self), (self.url, self.cause))
+
+
+GopenException = GopenError
+
+
+class HTTPStatusError(GopenError):
+    """An HTTP server answered with an error status."""
+
+    def __init__(self, url: str, status: int, reason: str = "") -> None:
+        self.status = status
+        self.reason = reason
+        super().__init__(url, f"HTTP {status} {reason}".rstrip())
+
+    def __reduce__(self):
+        return (type(self), (self.url, self.status, self.reason))
+
+
+class ShardFormatError(ShardcacheError, ValueError):
+    """A tar shard is truncated or corrupt. The message names the URL."""
+
+
+class CacheError(ShardcacheError, OSError):
+    """The on-disk cache store failed."""
+
+
+class IncompleteDownloadError(CacheError):
+    """A source ended before delivering the number of bytes it promised."""
+
+    def __init__(self, name: str, received: int, expected: int | None) -> None:
+        self.name = name
+        self.received = received
+        self.expected = expected
+        want = "an unknown size" if expected is None else f"{expected} bytes"
+        super().__init__(f"{name}: incomplete download, got {received} bytes of {want}")
+
+    def __reduce__(self):
+        return (type(self), (self.name, self.received, self.expected))
+
+
+class ConfigError(ShardcacheError, ValueError):
+    """A bad configuration value. ``flag`` names the option (e.g. ``--cache-size``)."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        self.flag = flag
+        super().__init__(f"{flag}: {message}")
+
+    def __reduce__(self):
+        return (type(self), (self.flag, str(self).split(": ", 1)[-1]))
+
+
+class ProxyError(ShardcacheError):
+    """An error the proxy answers with ``status_hint`` and a one-line message."""
+
+    status_hint: int = 500
+
+    def __init__(self, message: str, status_hint: int | None = None) -> None:
+        super().__init__(message)
+        if status_hint is not None:
+            self.status_hint = status_hint
+
+
+class BadRequest(ProxyError):
+    status_hint = 400
+
+
+class Forbidden(ProxyError):
+    status_hint = 403
+
+
+class NotFound(ProxyError):
+    status_hint = 404
+
+
+class MethodNotAllowed(ProxyError):
+    status_hint = 405
+
+
+class RangeNotSatisfiable(ProxyError):
+    status_hint = 416
+
+
+class UpstreamError(ProxyError):
+    status_hint = 502
+
+
+class UpstreamTimeout(UpstreamError):
+    status_hint = 504
