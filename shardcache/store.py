@@ -170,8 +170,9 @@ def eviction_order(rows: Iterable[_Row], policy: str) -> list:
     raise ValueError(f"unknown eviction policy {policy!r}; expected one of {POLICIES}")
 
 
-def choose_victims(rows: Sequence[_Row], policy: str, used: int, limit: int, need: int,
-                   exclude: Iterable[str] = ()) -> list | None:
+def choose_victims(
+    rows: Sequence[_Row], policy: str, used: int, limit: int, need: int, exclude: Iterable[str] = ()
+) -> list | None:
     """Which rows to evict so that ``used + need <= limit``.
 
     ``used`` counts entry bytes plus every reservation. Returns the victims (possibly empty)
@@ -280,9 +281,13 @@ class Store:
     after its row is gone.
     """
 
-    def __init__(self, cache_dir: str | os.PathLike, cache_size: int = 10**15,
-                 policy: EvictionPolicy = "lru",
-                 on_evict: Callable[[Entry], None] | None = None) -> None:
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike,
+        cache_size: int = 10**15,
+        policy: EvictionPolicy = "lru",
+        on_evict: Callable[[Entry], None] | None = None,
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {policy!r}; expected one of {POLICIES}")
         cache_size = int(cache_size)
@@ -308,8 +313,12 @@ class Store:
             return self._conn
         # After a fork the inherited connection must not be used (nor closed) here.
         try:
-            conn = sqlite3.connect(self.cache_dir / INDEX_NAME, isolation_level=None,
-                                   timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False)
+            conn = sqlite3.connect(
+                self.cache_dir / INDEX_NAME,
+                isolation_level=None,
+                timeout=BUSY_TIMEOUT_MS / 1000,
+                check_same_thread=False,
+            )
             conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")
@@ -356,7 +365,9 @@ class Store:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Store({str(self.cache_dir)!r}, cache_size={self.cache_size}, policy={self.policy!r})"
+        return (
+            f"Store({str(self.cache_dir)!r}, cache_size={self.cache_size}, policy={self.policy!r})"
+        )
 
     # -- naming ------------------------------------------------------------------------
 
@@ -370,9 +381,18 @@ class Store:
 
     def _row_to_entry(self, row: Sequence) -> Entry:
         key, url, size, etag, lm, ctype, created, last_access, hits = row
-        return Entry(key=key, url=url, path=self.cache_dir / key, size=size, etag=etag,
-                     last_modified=lm, content_type=ctype, created=created,
-                     last_access=last_access, hits=hits)
+        return Entry(
+            key=key,
+            url=url,
+            path=self.cache_dir / key,
+            size=size,
+            etag=etag,
+            last_modified=lm,
+            content_type=ctype,
+            created=created,
+            last_access=last_access,
+            hits=hits,
+        )
 
     # -- lookup ------------------------------------------------------------------------
 
@@ -391,8 +411,11 @@ class Store:
         key = self.key(url)
         if not touch:
             with self._lock:
-                row = self._connect().execute(
-                    f"SELECT {_ENTRY_COLS} FROM entries WHERE key = ?", (key,)).fetchone()
+                row = (
+                    self._connect()
+                    .execute(f"SELECT {_ENTRY_COLS} FROM entries WHERE key = ?", (key,))
+                    .fetchone()
+                )
             if row is None:
                 return None
             entry = self._row_to_entry(row)
@@ -402,22 +425,28 @@ class Store:
         now = time.time()
         bad_file: Path | None = None
         with self._tx() as conn:
-            row = conn.execute(f"SELECT {_ENTRY_COLS} FROM entries WHERE key = ?",
-                               (key,)).fetchone()
+            row = conn.execute(
+                f"SELECT {_ENTRY_COLS} FROM entries WHERE key = ?", (key,)
+            ).fetchone()
             if row is None:
                 return None
             entry = self._row_to_entry(row)
             actual = self._file_size(entry.path)
             if actual != entry.size:
-                log.warning("cache entry %s for %s is %s, dropping it", entry.path, url,
-                            "missing" if actual is None else f"{actual} bytes, not {entry.size}")
+                log.warning(
+                    "cache entry %s for %s is %s, dropping it",
+                    entry.path,
+                    url,
+                    "missing" if actual is None else f"{actual} bytes, not {entry.size}",
+                )
                 conn.execute("DELETE FROM entries WHERE key = ?", (key,))
                 if actual is not None:
                     bad_file = self._move_aside(entry.path)
                 entry = None
             elif touch:
-                conn.execute("UPDATE entries SET last_access = ?, hits = hits + 1 "
-                             "WHERE key = ?", (now, key))
+                conn.execute(
+                    "UPDATE entries SET last_access = ?, hits = hits + 1 WHERE key = ?", (now, key)
+                )
                 entry = Entry(**{**entry.__dict__, "last_access": now, "hits": entry.hits + 1})
         if bad_file is not None:
             self._unlink(bad_file)
@@ -438,15 +467,17 @@ class Store:
         now = time.time()
         stale = []
         for name, pid, host, created in conn.execute(
-                "SELECT name, pid, host, created FROM reservations").fetchall():
+            "SELECT name, pid, host, created FROM reservations"
+        ).fetchall():
             if now - created > STALE_AGE or (host == _HOST and not _pid_alive(pid)):
                 stale.append(name)
         for name in stale:
             conn.execute("DELETE FROM reservations WHERE name = ?", (name,))
         return [self.cache_dir / name for name in stale]
 
-    def _make_room(self, conn: sqlite3.Connection, need: int,
-                   exclude: Iterable[str] = ()) -> list[tuple[Entry, Path | None]] | None:
+    def _make_room(
+        self, conn: sqlite3.Connection, need: int, exclude: Iterable[str] = ()
+    ) -> list[tuple[Entry, Path | None]] | None:
         """Evict rows (inside the transaction) so that ``need`` more bytes fit.
 
         Returns the evicted entries with the ``.del`` names their files were moved to, or
@@ -456,8 +487,10 @@ class Store:
         used = entries_bytes + reserved
         if used + need <= self.cache_size:
             return []
-        rows = [self._row_to_entry(r) for r in
-                conn.execute(f"SELECT {_ENTRY_COLS} FROM entries").fetchall()]
+        rows = [
+            self._row_to_entry(r)
+            for r in conn.execute(f"SELECT {_ENTRY_COLS} FROM entries").fetchall()
+        ]
         victims = choose_victims(rows, self.policy, used, self.cache_size, need, exclude)
         if victims is None:
             return None
@@ -525,14 +558,14 @@ class Store:
                 conn.execute(
                     "INSERT INTO reservations (name, key, url, pid, host, created, expected, "
                     "bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (name, key, url, os.getpid(), _HOST, time.time(), expected_size, need))
+                    (name, key, url, os.getpid(), _HOST, time.time(), expected_size, need),
+                )
         for p in dead:
             self._unlink(p)
         if evicted is None:
             return None
         self._finish_evictions(evicted)
-        partial = Partial(url=url, key=key, path=path, expected_size=expected_size,
-                          reserved=need)
+        partial = Partial(url=url, key=key, path=path, expected_size=expected_size, reserved=need)
         try:
             with open(path, "xb"):
                 pass
@@ -552,15 +585,17 @@ class Store:
         if size > self.cache_size:
             return False
         with self._tx() as conn:
-            row = conn.execute("SELECT bytes FROM reservations WHERE name = ?",
-                               (partial.path.name,)).fetchone()
+            row = conn.execute(
+                "SELECT bytes FROM reservations WHERE name = ?", (partial.path.name,)
+            ).fetchone()
             if row is None:
                 return False  # reservation was dropped (aborted or declared stale)
             dead = self._drop_dead_reservations(conn)
             evicted = self._make_room(conn, size - int(row[0]), exclude=(partial.key,))
             if evicted is not None:
-                conn.execute("UPDATE reservations SET bytes = ? WHERE name = ?",
-                             (size, partial.path.name))
+                conn.execute(
+                    "UPDATE reservations SET bytes = ? WHERE name = ?", (size, partial.path.name)
+                )
         for p in dead:
             self._unlink(p)
         if evicted is None:
@@ -569,8 +604,15 @@ class Store:
         self._finish_evictions(evicted)
         return True
 
-    def commit(self, partial: Partial, size: int, *, etag: str | None = None,
-               last_modified: str | None = None, content_type: str | None = None) -> Entry:
+    def commit(
+        self,
+        partial: Partial,
+        size: int,
+        *,
+        etag: str | None = None,
+        last_modified: str | None = None,
+        content_type: str | None = None,
+    ) -> Entry:
         """Turn a finished download into an entry.
 
         Verifies that the ``.part`` file holds exactly ``size`` bytes and, when known,
@@ -607,12 +649,21 @@ class Store:
                 try:
                     os.replace(partial.path, target)
                 except OSError as exc:
-                    raise CacheError(f"{target}: cannot move download into place: {exc}") \
-                        from exc
+                    raise CacheError(f"{target}: cannot move download into place: {exc}") from exc
                 conn.execute(
                     f"INSERT INTO entries ({_ENTRY_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (partial.key, partial.url, size, etag, last_modified, content_type, now,
-                     now, 0))
+                    (
+                        partial.key,
+                        partial.url,
+                        size,
+                        etag,
+                        last_modified,
+                        content_type,
+                        now,
+                        now,
+                        0,
+                    ),
+                )
         except _Rollback:
             self.abort(partial)
             raise NoRoomError(partial.url, size, self.cache_size) from None
@@ -622,9 +673,18 @@ class Store:
         partial.reserved = 0
         self._finish_evictions(evicted)
         self._fsync_dir()
-        return Entry(key=partial.key, url=partial.url, path=target, size=size, etag=etag,
-                     last_modified=last_modified, content_type=content_type, created=now,
-                     last_access=now, hits=0)
+        return Entry(
+            key=partial.key,
+            url=partial.url,
+            path=target,
+            size=size,
+            etag=etag,
+            last_modified=last_modified,
+            content_type=content_type,
+            created=now,
+            last_access=now,
+            hits=0,
+        )
 
     def _fsync_dir(self) -> None:
         with contextlib.suppress(OSError):
@@ -650,8 +710,9 @@ class Store:
         """Purge the entry of ``url``. True if there was one."""
         key = self.key(url)
         with self._tx() as conn:
-            row = conn.execute(f"SELECT {_ENTRY_COLS} FROM entries WHERE key = ?",
-                               (key,)).fetchone()
+            row = conn.execute(
+                f"SELECT {_ENTRY_COLS} FROM entries WHERE key = ?", (key,)
+            ).fetchone()
             if row is None:
                 return False
             entry = self._row_to_entry(row)
@@ -664,8 +725,10 @@ class Store:
     def clear(self) -> int:
         """Purge every entry (downloads in progress are left alone). Returns the count."""
         with self._tx() as conn:
-            rows = [self._row_to_entry(r) for r in
-                    conn.execute(f"SELECT {_ENTRY_COLS} FROM entries").fetchall()]
+            rows = [
+                self._row_to_entry(r)
+                for r in conn.execute(f"SELECT {_ENTRY_COLS} FROM entries").fetchall()
+            ]
             conn.execute("DELETE FROM entries")
             moved = [self._move_aside(e.path) for e in rows]
         for p in moved:
@@ -676,8 +739,10 @@ class Store:
     def entries(self) -> list[Entry]:
         """All entries in eviction order (first = next victim; by LRU order for ``keep``)."""
         with self._lock:
-            rows = [self._row_to_entry(r) for r in self._connect().execute(
-                f"SELECT {_ENTRY_COLS} FROM entries").fetchall()]
+            rows = [
+                self._row_to_entry(r)
+                for r in self._connect().execute(f"SELECT {_ENTRY_COLS} FROM entries").fetchall()
+            ]
         return eviction_order(rows, "lru" if self.policy == "keep" else self.policy)
 
     def stats(self) -> dict:
@@ -685,11 +750,19 @@ class Store:
         with self._lock:
             conn = self._connect()
             n, nbytes = conn.execute(
-                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries").fetchone()
+                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries"
+            ).fetchone()
             k, reserved = conn.execute(
-                "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM reservations").fetchone()
-        return {"entries": int(n), "bytes": int(nbytes), "reserved": int(reserved),
-                "limit": self.cache_size, "downloads": int(k), "policy": self.policy}
+                "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM reservations"
+            ).fetchone()
+        return {
+            "entries": int(n),
+            "bytes": int(nbytes),
+            "reserved": int(reserved),
+            "limit": self.cache_size,
+            "downloads": int(k),
+            "policy": self.policy,
+        }
 
     def check(self, fix: bool = False) -> CheckReport:
         """Reconcile the index with the directory; report (and with ``fix``, repair).
@@ -709,7 +782,8 @@ class Store:
             # Reservations of dead processes.
             live_parts: set[str] = set()
             for name, pid, host, created in conn.execute(
-                    "SELECT name, pid, host, created FROM reservations").fetchall():
+                "SELECT name, pid, host, created FROM reservations"
+            ).fetchall():
                 if now - created > STALE_AGE or (host == _HOST and not _pid_alive(pid)):
                     report.problems.append(f"stale reservation {name} (pid {pid})")
                     if fix:
@@ -718,14 +792,15 @@ class Store:
                 else:
                     live_parts.add(name)
             # Files in the directory.
-            rows = {r[0]: self._row_to_entry(r) for r in
-                    conn.execute(f"SELECT {_ENTRY_COLS} FROM entries").fetchall()}
+            rows = {
+                r[0]: self._row_to_entry(r)
+                for r in conn.execute(f"SELECT {_ENTRY_COLS} FROM entries").fetchall()
+            }
             seen: set[str] = set()
             try:
                 names = os.listdir(self.cache_dir)
             except OSError as exc:
-                raise CacheError(f"{self.cache_dir}: cannot list cache directory: {exc}") \
-                    from exc
+                raise CacheError(f"{self.cache_dir}: cannot list cache directory: {exc}") from exc
             for name in names:
                 path = self.cache_dir / name
                 if _parse_part(name) is not None:
@@ -751,8 +826,9 @@ class Store:
                         continue
                     if entry is None:
                         report.orphans += 1
-                        report.problems.append(f"orphan entry file {name} ({size} bytes, "
-                                               "not in the index)")
+                        report.problems.append(
+                            f"orphan entry file {name} ({size} bytes, not in the index)"
+                        )
                         if fix:
                             moved = self._move_aside(path)
                             if moved is not None:
@@ -760,8 +836,9 @@ class Store:
                             report.fixed.append(f"removed orphan {name}")
                     elif size != entry.size:
                         report.size_mismatch += 1
-                        report.problems.append(f"entry {name} ({entry.url}) is {size} bytes, "
-                                               f"index says {entry.size}")
+                        report.problems.append(
+                            f"entry {name} ({entry.url}) is {size} bytes, index says {entry.size}"
+                        )
                         if fix:
                             conn.execute("DELETE FROM entries WHERE key = ?", (name,))
                             moved = self._move_aside(path)
@@ -780,14 +857,16 @@ class Store:
             if entries_bytes + reserved > self.cache_size:
                 report.problems.append(
                     f"cache holds {entries_bytes} bytes + {reserved} reserved, over the "
-                    f"limit of {self.cache_size}")
+                    f"limit of {self.cache_size}"
+                )
                 if fix:
                     made = self._make_room(conn, 0)
                     if made is not None:
                         evicted = made
                         report.fixed.append(f"evicted {len(made)} entries to fit the limit")
             n, nbytes = conn.execute(
-                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries").fetchone()
+                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries"
+            ).fetchone()
             report.entries, report.bytes = int(n), int(nbytes)
         for path in to_unlink:
             self._unlink(path)

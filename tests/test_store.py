@@ -69,16 +69,30 @@ def test_commit_renames_into_place_and_records_metadata(tmp_path):
     assert partial.path.name.startswith(store.key(url) + f".{os.getpid()}.")
     assert store.get(url) is None  # a download in progress is not an entry
     partial.path.write_bytes(b"hello")
-    entry = store.commit(partial, 5, etag='"e1"', last_modified="Mon, 01 Jan 2024 00:00:00 GMT",
-                         content_type="application/x-tar")
+    entry = store.commit(
+        partial,
+        5,
+        etag='"e1"',
+        last_modified="Mon, 01 Jan 2024 00:00:00 GMT",
+        content_type="application/x-tar",
+    )
     assert not partial.path.exists()
     assert entry.path.read_bytes() == b"hello"
     got = store.get(url)
     assert (got.etag, got.last_modified, got.content_type) == (
-        '"e1"', "Mon, 01 Jan 2024 00:00:00 GMT", "application/x-tar")
+        '"e1"',
+        "Mon, 01 Jan 2024 00:00:00 GMT",
+        "application/x-tar",
+    )
     assert got.hits == 1
-    assert store.stats() == {"entries": 1, "bytes": 5, "reserved": 0, "limit": 10**15,
-                             "downloads": 0, "policy": "lru"}
+    assert store.stats() == {
+        "entries": 1,
+        "bytes": 5,
+        "reserved": 0,
+        "limit": 10**15,
+        "downloads": 0,
+        "policy": "lru",
+    }
 
 
 @pytest.mark.parametrize("written", [b"shor", b"too long!"])
@@ -136,9 +150,16 @@ class Row:
 
 
 rows_st = st.lists(
-    st.builds(Row, key=st.uuids().map(str), size=st.integers(0, 100),
-              created=st.floats(0, 1000), last_access=st.floats(0, 1000)),
-    max_size=20, unique_by=lambda r: r.key)
+    st.builds(
+        Row,
+        key=st.uuids().map(str),
+        size=st.integers(0, 100),
+        created=st.floats(0, 1000),
+        last_access=st.floats(0, 1000),
+    ),
+    max_size=20,
+    unique_by=lambda r: r.key,
+)
 
 
 @given(rows_st)
@@ -234,8 +255,9 @@ def test_size_bound_held_after_many_commits(tmp_path):
         put(store, f"http://h/{i}", os.urandom(7 + i % 13))
         st_ = store.stats()
         assert st_["bytes"] + st_["reserved"] <= 100
-        on_disk = sum(p.stat().st_size for p in tmp_path.iterdir()
-                      if not p.name.startswith(INDEX_NAME))
+        on_disk = sum(
+            p.stat().st_size for p in tmp_path.iterdir() if not p.name.startswith(INDEX_NAME)
+        )
         assert on_disk == st_["bytes"]
 
 
@@ -307,8 +329,12 @@ def test_index_survives_restart(tmp_path):
 
 
 def _dead_pid() -> int:
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return int(proc.stdout)
 
 
@@ -385,7 +411,11 @@ def test_check_reports_then_fixes(tmp_path):
     report = store.check()
     assert not report.ok
     assert (report.missing, report.size_mismatch, report.orphans, report.stale_partials) == (
-        1, 1, 1, 1)
+        1,
+        1,
+        1,
+        1,
+    )
     assert report.fixed == []
     assert any("http://h/a" in line and "no file" in line for line in report.problems)
     assert len(files(tmp_path)) == 4  # nothing touched without fix
