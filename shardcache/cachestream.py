@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 from shardcache.errors import CacheError, IncompleteDownloadError
 from shardcache.store import NoRoomError, Partial, Store
 
-__all__ = ["CacheStream", "cache_shards", "stream_length"]
+__all__ = ["CacheStream", "cache_shards", "open_cached", "stream_length"]
 
 log = logging.getLogger(__name__)
 
@@ -232,10 +232,11 @@ class CacheStream(io.RawIOBase):
             and self.bytes_read > self.partial.reserved
             and self.store is not None
         ):
-            want = min(
-                self.store.cache_size,
-                (self.bytes_read + GROW_STEP - 1) // GROW_STEP * GROW_STEP,
-            )
+            # Reserve ahead (double, at most GROW_STEP more) to keep grow calls rare,
+            # but never more than the cache holds nor less than what arrived.
+            reserved = self.partial.reserved
+            ahead = min(2 * reserved, reserved + GROW_STEP)
+            want = max(self.bytes_read, min(ahead, self.store.cache_size))
             if want < self.bytes_read or not self.store.grow(self.partial, want):
                 self._log("%s: too big for the cache, streaming through", self.name)
                 self._discard("does not fit in the cache")
@@ -384,11 +385,17 @@ def cache_shards(
         own_store = True
     from shardcache.gopen import gopen
 
+    def opener(url: str) -> BinaryIO:
+        return gopen(url, **gopen_kw)
+
     try:
         for item in _expand(urls):
             url = item["url"]
             try:
-                stream = _open(url, store, name_of, verbose, gopen, gopen_kw)
+                if store is None:
+                    stream = gopen(url, **gopen_kw)
+                else:
+                    stream = open_cached(store, url, opener, name=name_of(url), verbose=verbose)
             except Exception as exc:
                 if handler is not None and handler(exc):
                     continue
@@ -403,20 +410,29 @@ def cache_shards(
             store.close()
 
 
-def _open(url, store, name_of, verbose, gopen, gopen_kw) -> BinaryIO:
+def open_cached(
+    store: Store,
+    url: str,
+    opener: Callable[[str], BinaryIO],
+    *,
+    name: str | None = None,
+    verbose: bool = False,
+) -> BinaryIO:
+    """Open ``url`` through ``store``: the entry file on a hit, else ``opener(url)`` teed
+    to the store by a :class:`CacheStream` (or only verified, when it cannot be admitted).
+    """
     say = log.info if verbose else log.debug
-    if store is None:
-        return gopen(url, **gopen_kw)
+    label = name or url
     entry = store.get(url)
     if entry is not None:
         try:
             stream = open(entry.path, "rb")  # noqa: SIM115 - handed to the consumer
-        except FileNotFoundError:  # evicted since the lookup
-            entry = None
+        except FileNotFoundError:  # evicted since the lookup: a miss
+            pass
         else:
-            say("cache hit %s (%s)", name_of(url), entry.key)
+            say("cache hit %s (%s)", label, entry.key)
             return stream
-    source = gopen(url, **gopen_kw)
+    source = opener(url)
     try:
         size = stream_length(source)
         partial = store.begin(url, size)
@@ -424,11 +440,11 @@ def _open(url, store, name_of, verbose, gopen, gopen_kw) -> BinaryIO:
         source.close()
         raise
     if partial is None:
-        say("cache bypass %s (%s bytes do not fit)", name_of(url), size)
+        say("cache bypass %s (%s bytes do not fit)", label, size)
         return CacheStream(None, source, verbose, expected_size=size)
-    say("cache miss %s -> %s", name_of(url), partial.path.name)
+    say("cache miss %s -> %s", label, partial.path.name)
     try:
-        return CacheStream(name_of(url), source, verbose, store=store, partial=partial)
+        return CacheStream(label, source, verbose, store=store, partial=partial)
     except BaseException:
         source.close()
         raise
