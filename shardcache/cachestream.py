@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 
 from shardcache.errors import CacheError, IncompleteDownloadError
 from shardcache.store import NoRoomError, Partial, Store
+from shardcache.urls import guess_shard
 
 __all__ = ["CacheStream", "cache_shards", "open_cached", "stream_length"]
 
@@ -324,12 +325,6 @@ class CacheStream(io.RawIOBase):
 # --------------------------------------------------------------------------------------
 
 
-def _default_cache_name(url: str) -> str:
-    from shardcache.urls import guess_shard
-
-    return guess_shard(url)
-
-
 def _expand(urls: str | Iterable[str | dict]) -> Iterator[dict]:
     if isinstance(urls, (str, os.PathLike)):
         import braceexpand
@@ -352,7 +347,7 @@ def cache_shards(
     urls: str | Iterable[str | dict],
     cache_dir: str | os.PathLike | None = "./data",
     cache_size: float = 1e15,
-    cache_name: Callable[[str], str] | None = None,
+    cache_name: Callable[[str], str] = guess_shard,
     verbose: bool = False,
     *,
     handler: Callable[[BaseException], bool] | None = None,
@@ -378,7 +373,7 @@ def cache_shards(
     bytes a tar reader leaves unread are read, so the entry is complete) and closed.
     ``handler`` decides what happens when a shard cannot be opened (default: raise).
     """
-    name_of = cache_name or _default_cache_name
+    name_of = cache_name or guess_shard
     own_store = False
     if cache_dir is not None and store is None:
         store = Store(cache_dir, int(cache_size), policy=policy)  # type: ignore[arg-type]
