@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 from shardcache.errors import CacheError, IncompleteDownloadError
 from shardcache.store import NoRoomError, Partial, Store
-from shardcache.urls import guess_shard
+from shardcache.urls import expand_urls, guess_shard
 
 __all__ = ["CacheStream", "cache_shards", "open_cached", "stream_length"]
 
@@ -327,9 +327,7 @@ class CacheStream(io.RawIOBase):
 
 def _expand(urls: str | Iterable[str | dict]) -> Iterator[dict]:
     if isinstance(urls, (str, os.PathLike)):
-        import braceexpand
-
-        for url in braceexpand.braceexpand(os.fspath(urls)):
+        for url in expand_urls(os.fspath(urls)):
             yield {"url": url}
         return
     for item in urls:

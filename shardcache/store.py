@@ -269,6 +269,10 @@ class Store:
     every process. ``policy`` is ``"lru"`` (default), ``"fifo"`` or ``"keep"`` (never evict;
     stop admitting when full). ``on_evict`` is called with each evicted :class:`Entry`
     after its row is gone.
+
+    Opening reconciles the index with the directory and repairs it (stale downloads,
+    orphans, missing files, the size bound); ``reconcile=False`` skips that, e.g. to
+    report with ``check()`` before repairing anything.
     """
 
     def __init__(
@@ -277,6 +281,8 @@ class Store:
         cache_size: int = 10**15,
         policy: EvictionPolicy = "lru",
         on_evict: Callable[[Entry], None] | None = None,
+        *,
+        reconcile: bool = True,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {policy!r}; expected one of {POLICIES}")
@@ -294,7 +300,8 @@ class Store:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CacheError(f"{self.cache_dir}: cannot create cache directory: {exc}") from exc
-        self._reconcile(fix=True)
+        if reconcile:
+            self._reconcile(fix=True)
 
     # -- connection ------------------------------------------------------------------
 

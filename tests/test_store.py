@@ -451,3 +451,15 @@ def test_unlink_failures_do_not_stop_the_sweep(tmp_path, caplog):
     report = store.check(fix=True)
     assert sum("leftover" in line for line in report.problems) == 3
     assert len(files(tmp_path)) == 3
+
+
+def test_open_without_reconcile_only_reports(tmp_path):
+    store = Store(tmp_path)
+    put(store, "http://h/a", b"aaa")
+    store.close()
+    os.unlink(tmp_path / shard_uuid("http://h/a"))
+    orphan = tmp_path / shard_uuid("http://h/orphan")
+    orphan.write_bytes(b"o")
+    report = Store(tmp_path, reconcile=False).check()
+    assert (report.missing, report.orphans, report.fixed) == (1, 1, [])
+    assert orphan.exists()
