@@ -185,22 +185,26 @@ class DBCache:
 
     def _open(self) -> int:
         """Create or check the file; return the size it records."""
+        if self.size is None and not os.path.exists(self.dbname):  # type: ignore[arg-type]
+            raise self._fail("no such file (give a size to create one)")
         try:
             conn = self.conn
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
-            mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
-            if mode != "wal":
+            db = sqlite_utils.Database(conn)
+            tables = set(db.table_names())  # fails on a file that is not SQLite
+            if not {SAMPLES, META} <= tables and tables - {SAMPLES, META}:
+                raise self._fail(
+                    f"not a DBCache file (it has the tables {sorted(tables)}, no"
+                    f" '{META}' with format {FORMAT_NAME!r}); refusing to write into it"
+                )
+            if SAMPLES in tables and META in tables:
+                # check before changing anything in a file that might be someone else's
+                self._check_meta(dict(conn.execute(f"SELECT key, value FROM {META}").fetchall()))
+            if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
                 # Several processes may race here; the busy timeout covers the lock.
                 conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")  # durable at checkpoints in WAL mode
-            db = sqlite_utils.Database(conn)
-            tables = set(db.table_names())
             if not {SAMPLES, META} <= tables:
-                if tables - {SAMPLES, META}:
-                    raise self._fail(
-                        f"not a DBCache file (it has the tables {sorted(tables)}, no"
-                        f" '{META}' with format {FORMAT_NAME!r}); refusing to write into it"
-                    )
                 self._initialise(db)
             meta = dict(conn.execute(f"SELECT key, value FROM {META}").fetchall())
         except sqlite3.Error as exc:
@@ -381,9 +385,13 @@ class DBCache:
         self.source = source
         return self
 
-    def __call__(self, source: Iterable[Any]) -> Iterator[Any]:
-        """Use as a pipeline stage: ``DataPipeline(..., DBCache(name, size))``."""
-        self.source = source
+    def __call__(self, source: Iterable[Any] | None = None) -> Iterator[Any]:
+        """Use as a pipeline stage: ``DataPipeline(..., DBCache(name, size))``.
+
+        As the first stage (no source) it reads the file.
+        """
+        if source is not None:
+            self.source = source
         return iter(self)
 
     def __iter__(self) -> Iterator[Any]:
