@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from dbcache._db import DBCache, DBCacheError
+from shardcache.errors import ShardcacheError
 
 log = logging.getLogger("shardcache.dbcache")
 
@@ -97,7 +98,21 @@ def tar_samples(urls: list[str]) -> Iterator[dict[str, Any]]:
             raise DBCacheError(
                 "reading tar shards needs the shardcache tar pipeline or webdataset"
             ) from exc
-    return tarfile_samples(iter([{"url": url} for url in urls]))
+    return _translated(tarfile_samples(iter([{"url": url} for url in urls])), urls)
+
+
+def _translated(samples: Iterable[dict[str, Any]], urls: list[str]) -> Iterator[dict[str, Any]]:
+    """Re-raise a reader's errors as one ShardcacheError naming the shard."""
+    try:
+        yield from samples
+    except ShardcacheError:
+        raise
+    except (OSError, tarfile.TarError, ValueError, EOFError) as exc:
+        args = getattr(exc, "args", ())
+        url = next((a for a in args if isinstance(a, str) and a in urls), None)
+        cause = args[0] if args and isinstance(args[0], str) else str(exc) or type(exc).__name__
+        where = url or "a shard of " + (urls[0] if len(urls) == 1 else f"{len(urls)} URLs")
+        raise DBCacheError(f"{where}: cannot read the shard ({cause})") from exc
 
 
 class Progress:
