@@ -18,6 +18,13 @@ byte and its payload (integers little-endian)::
     l list    u64 count + values     t tuple     u64 count + values
     d dict    u64 count + (u64 length + UTF-8 key, value) pairs
     a ndarray u64 length + .npy      g numpy scalar  u64 length + .npy of a 0-d array
+
+A top-level dict (a sample) takes a flat layout that decodes with one struct call::
+
+    D u32 table length, table: per field (u32 key length, u8 kind, UTF-8 key),
+      u64 length of each value, then the values: kind 0 bytes as they are, 1 str as
+      UTF-8, 2 any other value in the tagged form above. Samples of one data set share
+      one table, which the decoder parses once and then looks up.
 """
 
 from __future__ import annotations
@@ -168,6 +175,71 @@ def _encode(value: Any, out: list[bytes], path: str, depth: int) -> None:
         )
 
 
+_U32 = struct.Struct("<I")
+_KEYHEAD = struct.Struct("<IB")  # key length, kind
+_BYTES, _STR, _VALUE = 0, 1, 2
+_SCHEMAS: dict[bytes, tuple[tuple[str, ...], tuple[int, ...], struct.Struct]] = {}
+_SCHEMA_CACHE_MAX = 1024
+
+
+def _encode_sample(sample: dict, out: list[bytes]) -> None:
+    schema: list[bytes] = []
+    lengths: list[int] = []
+    values: list[bytes] = []
+    for key, value in sample.items():
+        if type(key) is not str:
+            raise TypeError(
+                f"field {key!r}: dict key of type {_describe(key)}; the safe codec stores"
+                " dicts with str keys only"
+            )
+        kdata = key.encode("utf-8", "surrogatepass")
+        kind = type(value)
+        if kind is bytes:
+            vdata, code = value, _BYTES
+        elif kind is str:
+            vdata, code = value.encode("utf-8", "surrogatepass"), _STR
+        else:
+            parts: list[bytes] = []
+            _encode(value, parts, repr(key), 1)
+            vdata, code = b"".join(parts), _VALUE
+        schema.append(_KEYHEAD.pack(len(kdata), code))
+        schema.append(kdata)
+        lengths.append(len(vdata))
+        values.append(vdata)
+    head = b"".join(schema)
+    out.append(b"D")
+    out.append(_U32.pack(len(head)))
+    out.append(head)
+    out.append(struct.pack(f"<{len(lengths)}Q", *lengths))
+    out += values
+
+
+def _parse_schema(head: bytes) -> tuple[tuple[str, ...], tuple[int, ...], struct.Struct]:
+    keys: list[str] = []
+    kinds: list[int] = []
+    pos = 0
+    while pos < len(head):
+        if pos + _KEYHEAD.size > len(head):
+            raise CodecError("record truncated in the field table")
+        klen, kind = _KEYHEAD.unpack_from(head, pos)
+        pos += _KEYHEAD.size
+        if pos + klen > len(head):
+            raise CodecError("record truncated in the field table")
+        if kind not in (_BYTES, _STR, _VALUE):
+            raise CodecError(f"unknown field kind {kind}")
+        try:
+            keys.append(head[pos : pos + klen].decode("utf-8", "surrogatepass"))
+        except UnicodeDecodeError as exc:
+            raise CodecError(f"bad UTF-8 field name: {exc}") from exc
+        kinds.append(kind)
+        pos += klen
+    parsed = (tuple(keys), tuple(kinds), struct.Struct(f"<{len(keys)}Q"))
+    if len(_SCHEMAS) >= _SCHEMA_CACHE_MAX:
+        _SCHEMAS.clear()
+    _SCHEMAS[head] = parsed
+    return parsed
+
+
 def safe_encode(sample: Any) -> bytes:
     """Encode ``sample`` with the safe codec.
 
@@ -175,7 +247,10 @@ def safe_encode(sample: Any) -> bytes:
     the type of the first value the codec does not store.
     """
     out = [SAFE_HEADER]
-    _encode(sample, out, "", 0)
+    if type(sample) is dict:
+        _encode_sample(sample, out)
+    else:
+        _encode(sample, out, "", 0)
     return b"".join(out)
 
 
@@ -270,11 +345,53 @@ def safe_decode(data: bytes) -> Any:
         head = data[:8]
         hint = " (it looks like a pickle)" if head[:1] == b"\x80" else ""
         raise CodecError(f"not a safe-codec record: starts with {head!r}{hint}")
+    if data[3:4] == b"D":
+        return _decode_sample(data)
+    return _decode_value(data, len(SAFE_HEADER))
+
+
+def _decode_value(data: bytes, start: int) -> Any:
     reader = _Reader(data)
-    value = _decode(reader, 0)
+    reader.pos = start
+    value = _decode(reader, 1)
     if reader.pos != len(data):
         raise CodecError(f"{len(data) - reader.pos} trailing bytes after the record")
     return value
+
+
+def _decode_sample(data: bytes) -> dict:
+    start = len(SAFE_HEADER) + 5
+    if len(data) < start:
+        raise CodecError("record truncated in the sample header")
+    end = start + _U32.unpack_from(data, start - 4)[0]
+    head = data[start:end]
+    parsed = _SCHEMAS.get(head)
+    if parsed is None:
+        if end > len(data):
+            raise CodecError("record truncated in the field table")
+        parsed = _parse_schema(head)
+    keys, kinds, lengths = parsed
+    pos = end + lengths.size
+    if pos > len(data):
+        raise CodecError("record truncated in the length table")
+    values = []
+    for n in lengths.unpack_from(data, end):
+        values.append(data[pos : pos + n])
+        pos += n
+    if pos != len(data):  # slices past the end come back short, so check the total
+        what = "truncated" if pos > len(data) else f"followed by {len(data) - pos} trailing bytes"
+        raise CodecError(f"record {what} (its fields end at offset {pos} of {len(data)})")
+    sample = dict(zip(keys, values, strict=True))
+    if _STR in kinds or _VALUE in kinds:
+        for key, kind in zip(keys, kinds, strict=True):
+            if kind == _STR:
+                try:
+                    sample[key] = sample[key].decode("utf-8", "surrogatepass")
+                except UnicodeDecodeError as exc:
+                    raise CodecError(f"field {key!r}: bad UTF-8: {exc}") from exc
+            elif kind == _VALUE:
+                sample[key] = _decode_value(SAFE_HEADER + sample[key], len(SAFE_HEADER))
+    return sample
 
 
 def pickle_encode(sample: Any) -> bytes:

@@ -358,10 +358,14 @@ class DBCache:
         conn = self.conn
         try:
             if not shuffle and nworkers == 1:
+                decode = self.codec.decode
+                rowid = 0
                 cursor = conn.execute(f"SELECT id, data FROM {SAMPLES} ORDER BY id")
-                while rows := cursor.fetchmany(self.batch_size):
-                    for rowid, data in rows:
-                        yield self._decode(rowid, data)
+                try:
+                    for rowid, data in cursor:  # noqa: B007 - rowid names a bad row
+                        yield decode(data)
+                except CodecError as exc:
+                    raise self._fail(f"row {rowid}: {exc}") from exc
                 return
             ids = [r[0] for r in conn.execute(f"SELECT id FROM {SAMPLES} ORDER BY id")]
             if shuffle:

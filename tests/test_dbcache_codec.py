@@ -174,3 +174,17 @@ def test_pickle_codec_round_trips_anything_picklable():
     assert get_codec("pickle").trusted_only
     with pytest.raises(ValueError, match="unknown codec"):
         get_codec("json")
+
+
+@given(samples, st.data())
+def test_damaged_sample_records_only_raise_codec_error(sample, data):
+    blob = bytearray(safe_encode(sample))
+    cut = data.draw(st.integers(min_value=3, max_value=len(blob)))
+    flips = data.draw(st.lists(st.integers(min_value=3, max_value=len(blob) - 1), max_size=3))
+    for i in flips:
+        blob[i] ^= 0xFF
+    for damaged in (bytes(blob), bytes(blob[:cut])):
+        try:
+            safe_decode(damaged)
+        except CodecError:
+            pass
