@@ -84,7 +84,10 @@ def through_proxy(url: str, proxy: str) -> str:
         from shardcache.urls import proxied
     except ImportError:
         return proxy.rstrip("/") + "/" + url
-    return proxied(url, proxy)
+    try:
+        return str(proxied(url, proxy))
+    except ValueError as exc:
+        raise DBCacheError(f"--proxy {proxy}: {exc}") from exc
 
 
 def tar_samples(urls: list[str]) -> Iterator[dict[str, Any]]:

@@ -139,7 +139,7 @@ def test_build_errors(tmp_path, serve, shards):
     assert "holds a cache of size 50, opened with size 40" in res.stderr
     res = run("build", str(tmp_path / "x.db"), base + "/missing.tar", "--size", "5", "--quiet")
     assert res.returncode == 1
-    assert "missing.tar: cannot read the shard" in res.stderr
+    assert "missing.tar: HTTP 404" in res.stderr
     assert "Traceback" not in res.stderr
 
 
