@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from shardcache.errors import CacheError, IncompleteDownloadError
+from shardcache.errors import CacheError, IncompleteDownloadError, NoRoomError
 from shardcache.urls import shard_uuid
 
 __all__ = [
@@ -68,19 +68,6 @@ BUSY_TIMEOUT_MS = 60_000
 
 class _Rollback(Exception):
     """Raised inside a transaction to roll it back."""
-
-
-class NoRoomError(CacheError):
-    """A download of unknown size outgrew the room the cache could give it."""
-
-    def __init__(self, url: str, size: int, limit: int) -> None:
-        self.url = url
-        self.size = size
-        self.limit = limit
-        super().__init__(f"{url}: {size} bytes do not fit in a cache of {limit} bytes")
-
-    def __reduce__(self):
-        return (type(self), (self.url, self.size, self.limit))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import braceexpand
 
-from shardcache.errors import ShardcacheError
+from shardcache.errors import ProxyURLError
 
 __all__ = [
     "ProxyURLError",
@@ -29,10 +29,6 @@ PROXY_ENV = "SHARDCACHE_PROXY"
 
 _SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
-
-
-class ProxyURLError(ShardcacheError, ValueError):
-    """A URL, proxy address or upstream spec that :func:`proxied` cannot rewrite."""
 
 
 def shard_uuid(path: str) -> str:
