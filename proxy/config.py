@@ -159,7 +159,9 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
     upstreams = tuple(_parse_upstream(v) for v in get_list("upstream"))
     names = [u.name for u in upstreams]
     if names.count(None) > 1:
-        raise ConfigError("--upstream", "only one upstream may be unnamed; name the others NAME=URL")
+        raise ConfigError(
+            "--upstream", "only one upstream may be unnamed; name the others NAME=URL"
+        )
     dup = {n for n in names if n is not None and names.count(n) > 1}
     if dup:
         raise ConfigError("--upstream", f"upstream name used twice: {sorted(dup)[0]}")
