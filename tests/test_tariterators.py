@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import io
 import os
 import tarfile
 import time
@@ -185,7 +186,7 @@ def test_symlinks_and_hardlinks_are_skipped_like_webdataset(tmp_path):
             info.linkname = "a.txt" if typ != tarfile.REGTYPE else ""
             data = b"data" if typ == tarfile.REGTYPE else b""
             info.size = len(data)
-            tf.addfile(info, __import__("io").BytesIO(data))
+            tf.addfile(info, io.BytesIO(data))
     assert ours(str(path)) == wds_samples(str(path))
     assert set(ours(str(path))[0]) == {"__key__", "__url__", "__local_path__", "txt"}
 
@@ -479,3 +480,21 @@ def test_valid_sample():
     assert not valid_sample({})
     assert not valid_sample(None)
     assert not valid_sample({"__key__": "a", "__bad__": True})
+
+
+def test_global_pax_header_and_v7_directory(tmp_path):
+    path = tmp_path / "g.tar"
+    with tarfile.open(
+        path, "w", format=tarfile.PAX_FORMAT, pax_headers={"comment": "made by a test"}
+    ) as tf:
+        v7dir = tarfile.TarInfo("olddir.d/")
+        v7dir.type = tarfile.AREGTYPE  # old V7 tar: a directory is a regular file ending in "/"
+        tf.addfile(v7dir)
+        for name, data in [("k.txt", b"1"), ("ü" * 60 + ".txt", b"unicode, long")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    assert path.read_bytes()[156:157] == tarfile.XGLTYPE
+    got = ours(str(path))
+    assert got == wds_samples(str(path))
+    assert [s["__key__"] for s in got] == ["k", "ü" * 60]
