@@ -336,6 +336,7 @@ async def test_lru_eviction_under_pressure(proxy, origin):
         assert on_disk <= 2.5 * size
     caches = {n: (await get(c, f"/{n}.tar"))[1]["X-Cache"] for n in ("a", "c", "b")}
     assert caches == {"a": "HIT", "c": "HIT", "b": "MISS"}
+    await settle(c)
     m = c.server.app[METRICS]
     assert m.evictions._value.get() >= 1
     files = [n for n in os.listdir(store.cache_dir) if not n.startswith(".")]
