@@ -108,8 +108,7 @@ def _check_command(args: argparse.Namespace) -> int:
         raise ConfigError("--cache-dir", f"{cache_dir} is not a directory")
     if not os.path.exists(os.path.join(cache_dir, INDEX_NAME)):
         raise ConfigError("--cache-dir", f"{cache_dir} has no shardcache index ({INDEX_NAME})")
-    store = Store.__new__(Store)  # open without the repairing reconcile of __init__
-    _open_without_repair(store, cache_dir)
+    store = Store(cache_dir, reconcile=False)  # report first; repair only with --fix
     try:
         report = store.check(fix=args.fix)
     finally:
@@ -126,18 +125,3 @@ def _check_command(args: argparse.Namespace) -> int:
         print("repaired")
         return 0
     return 1
-
-
-def _open_without_repair(store: object, cache_dir: str) -> None:
-    """Initialise a Store without the repairs ``Store.__init__`` makes, so that ``check``
-    without ``--fix`` only reports. (Adapter until the store offers this itself.)"""
-    import threading
-    from pathlib import Path
-
-    store.cache_dir = Path(cache_dir)  # type: ignore[attr-defined]
-    store.cache_size = 10**18  # type: ignore[attr-defined]  # the bound is the daemon's
-    store.policy = "lru"  # type: ignore[attr-defined]
-    store.on_evict = None  # type: ignore[attr-defined]
-    store._lock = threading.RLock()  # type: ignore[attr-defined]
-    store._conn = None  # type: ignore[attr-defined]
-    store._pid = -1  # type: ignore[attr-defined]

@@ -1,6 +1,8 @@
 """``shardcache demo``: see the cache at work on this machine, no internet needed.
 
-The library demo writes a few tar shards to a temporary directory, serves them from a
+By default the demo runs the proxy (:func:`proxy.demo.proxy_demo`): an origin and
+``shardcache serve`` on 127.0.0.1, shards read through the proxy twice, cold then warm.
+The library demo (``--library``) writes a few tar shards to a temporary directory, serves them from a
 local HTTP origin on 127.0.0.1, and reads them through :func:`shardcache.cache_shards`
 twice: the first pass downloads every shard once (and caches it), the second is served
 from the cache without touching the origin.
@@ -126,7 +128,11 @@ def _hits(cache_dir: Path) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    return library_demo(shards=args.shards, samples=args.samples, workdir=args.dir)
+    if args.library:
+        return library_demo(shards=args.shards, samples=args.samples, workdir=args.dir)
+    from proxy.demo import proxy_demo
+
+    return proxy_demo(shards=args.shards, samples=args.samples)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -144,6 +150,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--shards", type=int, default=8, help="number of shards (default 8)")
     parser.add_argument("--samples", type=int, default=250, help="samples per shard (default 250)")
     parser.add_argument(
-        "--dir", default=None, help="keep the shards and the cache here (default: a temp dir)"
+        "--dir",
+        default=None,
+        help="library demo: keep the shards and the cache here (default: a temp dir)",
     )
     parser.set_defaults(func=_run)
