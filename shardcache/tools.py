@@ -166,12 +166,17 @@ def format_time(ts: float | None) -> str:
 
 
 def _rich_console(stream: IO[str]) -> Any | None:
-    """A rich Console on ``stream`` when rich is installed, else None."""
+    """A rich Console on ``stream`` when rich is installed and ``stream`` is a terminal.
+
+    Pipes and files get plain text (one row per line, nothing folded), so scripts can
+    grep the output; rich's own ``FORCE_COLOR``/``TTY_COMPATIBLE`` variables force it.
+    """
     try:
         from rich.console import Console
     except ImportError:
         return None
-    return Console(file=stream, soft_wrap=True)
+    console = Console(file=stream, soft_wrap=True)
+    return console if console.is_terminal else None
 
 
 def print_table(
@@ -399,10 +404,11 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
         task = bar.add_task("prefetch", total=None)
 
         def show(p: Progress) -> None:
+            finished = p.done_shards == p.n_total
             bar.update(
                 task,
                 completed=p.done_bytes,
-                total=p.estimated_total(),
+                total=p.done_bytes if finished else p.estimated_total(),
                 description=f"{p.done_shards}/{p.n_total} shards"
                 + (f" ({p.failed} failed)" if p.failed else ""),
             )
