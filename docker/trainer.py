@@ -113,7 +113,7 @@ def cmd_read(args: argparse.Namespace) -> int:
     import webdataset as wds
     from webdataset import gopen as wds_gopen
 
-    if shutil.which("curl") is None:
+    if args.opener == "urllib" or (args.opener == "auto" and shutil.which("curl") is None):
         wds_gopen.gopen_schemes["http"] = gopen_urllib
         wds_gopen.gopen_schemes["https"] = gopen_urllib
     urls = args.urls or os.environ.get("TRAINER_URLS")
@@ -174,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--epochs", type=int, default=None)
     r.add_argument("--sidecar", default=None, help="sidecar URL for /-/stats at the end")
     r.add_argument("--json", action="store_true", help="also print the epochs as JSON")
+    r.add_argument(
+        "--opener",
+        choices=("auto", "curl", "urllib"),
+        default="auto",
+        help="how webdataset opens http URLs (auto: curl when installed, else urllib)",
+    )
     r.set_defaults(func=cmd_read)
 
     args = parser.parse_args(argv)
