@@ -110,8 +110,12 @@ def sidecar_stats(sidecar: str) -> dict | None:
 
 
 def cmd_read(args: argparse.Namespace) -> int:
+    import importlib
+
     import webdataset as wds
-    from webdataset import gopen as wds_gopen
+
+    # the module (webdataset's package namespace re-exports a function of the same name)
+    wds_gopen = importlib.import_module("webdataset.gopen")
 
     if args.opener == "urllib" or (args.opener == "auto" and shutil.which("curl") is None):
         wds_gopen.gopen_schemes["http"] = gopen_urllib
