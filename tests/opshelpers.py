@@ -181,8 +181,12 @@ class ProxyProcess:
         except (RuntimeError, TimeoutError) as exc:
             raise RuntimeError(f"{exc}\n--- {self.log}:\n{self.output()}") from None
 
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
+    def output(self, tail: int | None = 4000) -> str:
+        """The process's log (its last ``tail`` characters; None for all)."""
+        if not self.log.exists():
+            return ""
+        text = self.log.read_text(errors="replace")
+        return text if tail is None else text[-tail:]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 40.0) -> int | None:
         if self.proc is None:
