@@ -1,7 +1,7 @@
 """Write docs/configuration.md from the CLI's parsers.
 
-    python docs/gen_configuration.py          # rewrite the file
-    python docs/gen_configuration.py --check  # exit 1 if the file is out of date
+python docs/gen_configuration.py          # rewrite the file
+python docs/gen_configuration.py --check  # exit 1 if the file is out of date
 """
 
 from __future__ import annotations
