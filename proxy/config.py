@@ -12,7 +12,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -48,7 +48,6 @@ class Settings:
     max_path_length: int = 1024
     prefetch_concurrency: int = 4
     chunk_size: int = 1 << 20
-    extra: Mapping[str, str] = field(default_factory=dict)
 
 
 # (flag, dest, help, default-as-text or None)

@@ -14,14 +14,17 @@ from shardcache.errors import (
     BadRequest,
     CacheError,
     ConfigError,
+    DBCacheError,
     Forbidden,
     GopenError,
     GopenException,
     HTTPStatusError,
     IncompleteDownloadError,
     MethodNotAllowed,
+    NoRoomError,
     NotFound,
     ProxyError,
+    ProxyURLError,
     RangeNotSatisfiable,
     ShardcacheError,
     ShardFormatError,
@@ -56,9 +59,12 @@ _LAZY: dict[str, str] = {
     # on-disk store
     "Store": "shardcache.store",
     "Entry": "shardcache.store",
+    "Partial": "shardcache.store",
+    "CheckReport": "shardcache.store",
     # CacheStream
     "CacheStream": "shardcache.cachestream",
     "cache_shards": "shardcache.cachestream",
+    "open_cached": "shardcache.cachestream",
     # sources
     "DataSource": "shardcache.sources",
     "URLSource": "shardcache.sources",
@@ -69,6 +75,9 @@ _LAZY: dict[str, str] = {
     "WorkerEnvironment": "shardcache.workers",
     # dataset
     "ShardDataset": "shardcache.dataset",
+    # the SQLite sample store
+    "DBCache": "dbcache",
+    "get_uuid": "dbcache",
 }
 
 __all__ = [
@@ -78,8 +87,11 @@ __all__ = [
     "GopenException",
     "HTTPStatusError",
     "ShardFormatError",
+    "ProxyURLError",
     "CacheError",
     "IncompleteDownloadError",
+    "NoRoomError",
+    "DBCacheError",
     "ConfigError",
     "ProxyError",
     "BadRequest",
@@ -93,7 +105,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from shardcache.cachestream import CacheStream, cache_shards  # noqa: F401
+    from dbcache import DBCache, get_uuid  # noqa: F401
+    from shardcache.cachestream import CacheStream, cache_shards, open_cached  # noqa: F401
     from shardcache.dataset import ShardDataset  # noqa: F401
     from shardcache.gopen import gopen  # noqa: F401
     from shardcache.handlers import (  # noqa: F401
@@ -104,7 +117,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         warn_and_stop,
     )
     from shardcache.sources import CachedSource, DataSource, URLSource  # noqa: F401
-    from shardcache.store import Entry, Store  # noqa: F401
+    from shardcache.store import CheckReport, Entry, Partial, Store  # noqa: F401
     from shardcache.tariterators import (  # noqa: F401
         base_plus_ext,
         group_by_keys,

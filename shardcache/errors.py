@@ -7,8 +7,11 @@ boundary (``raise GopenError(...) from exc``) so callers catch one family::
     ├── GopenError (also OSError; alias GopenException)  -- opening/reading a URL failed
     │   └── HTTPStatusError                               -- an HTTP server answered >= 400
     ├── ShardFormatError (also ValueError)                -- a tar shard is truncated or corrupt
+    ├── ProxyURLError (also ValueError)                   -- a URL cannot be rewritten for a proxy
     ├── CacheError (also OSError)                         -- the on-disk store failed
-    │   └── IncompleteDownloadError                       -- a source ended before its promised size
+    │   ├── IncompleteDownloadError                       -- a source ended before its promised size
+    │   └── NoRoomError                                   -- a download no longer fits cache_size
+    ├── DBCacheError                                      -- a DBCache file cannot be used
     ├── ConfigError (also ValueError)                     -- a bad setting; names the flag
     └── ProxyError                                        -- carries the HTTP status to answer with
         ├── BadRequest (400) / Forbidden (403) / NotFound (404)
@@ -28,8 +31,11 @@ __all__ = [
     "GopenException",
     "HTTPStatusError",
     "ShardFormatError",
+    "ProxyURLError",
     "CacheError",
     "IncompleteDownloadError",
+    "NoRoomError",
+    "DBCacheError",
     "ConfigError",
     "ProxyError",
     "BadRequest",
@@ -80,6 +86,10 @@ class ShardFormatError(ShardcacheError, ValueError):
     """A tar shard is truncated or corrupt. The message names the URL."""
 
 
+class ProxyURLError(ShardcacheError, ValueError):
+    """A URL, upstream spec or proxy address cannot be rewritten to go through a proxy."""
+
+
 class CacheError(ShardcacheError, OSError):
     """The on-disk cache store failed."""
 
@@ -96,6 +106,23 @@ class IncompleteDownloadError(CacheError):
 
     def __reduce__(self):
         return (type(self), (self.name, self.received, self.expected))
+
+
+class NoRoomError(CacheError):
+    """A download of unknown size outgrew the room ``cache_size`` leaves; it was discarded."""
+
+    def __init__(self, url: str, size: int, limit: int) -> None:
+        self.url = url
+        self.size = size
+        self.limit = limit
+        super().__init__(f"{url}: {size} bytes do not fit in a cache of {limit} bytes")
+
+    def __reduce__(self):
+        return (type(self), (self.url, self.size, self.limit))
+
+
+class DBCacheError(ShardcacheError):
+    """A DBCache file cannot be used. The message names the file and the problem."""
 
 
 class ConfigError(ShardcacheError, ValueError):

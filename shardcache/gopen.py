@@ -77,7 +77,10 @@ class HTTPStream(io.RawIOBase):
         if self.closed:
             raise ValueError("I/O operation on closed HTTP stream")
         try:
-            n = self.response.readinto(b)
+            # read1: return what has arrived (one socket read) instead of waiting to fill b
+            data = self.response.read1(len(b))
+            n = len(data)
+            b[:n] = data
         except http.client.IncompleteRead as exc:
             raise GopenError(
                 self.url,
@@ -183,6 +186,8 @@ class Pipe(io.RawIOBase):
     def readinto(self, b: Any) -> int:
         if self.closed:
             raise ValueError("I/O operation on closed pipe")
+        if self._eof:
+            return 0
         n = self._stream.readinto(b)
         if n == 0 and len(b) > 0 and not self._eof:
             self._eof = True

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from shardcache.errors import CacheError, IncompleteDownloadError
+from shardcache.errors import CacheError, IncompleteDownloadError, NoRoomError
+from shardcache.urls import shard_uuid
 
 __all__ = [
     "EvictionPolicy",
@@ -65,32 +66,8 @@ STALE_AGE = 24 * 3600.0  # a .part or reservation older than this is stale whate
 BUSY_TIMEOUT_MS = 60_000
 
 
-def _shard_uuid(url: str) -> str:
-    # TODO(single definition): replaced by shardcache.urls.shard_uuid once available.
-    return str(uuid.uuid3(uuid.NAMESPACE_URL, url))
-
-
-try:  # pragma: no cover - depends on which modules are present
-    from shardcache.urls import shard_uuid
-except ImportError:  # pragma: no cover
-    shard_uuid = _shard_uuid
-
-
 class _Rollback(Exception):
     """Raised inside a transaction to roll it back."""
-
-
-class NoRoomError(CacheError):
-    """A download of unknown size outgrew the room the cache could give it."""
-
-    def __init__(self, url: str, size: int, limit: int) -> None:
-        self.url = url
-        self.size = size
-        self.limit = limit
-        super().__init__(f"{url}: {size} bytes do not fit in a cache of {limit} bytes")
-
-    def __reduce__(self):
-        return (type(self), (self.url, self.size, self.limit))
 
 
 @dataclass(frozen=True)
@@ -279,6 +256,10 @@ class Store:
     every process. ``policy`` is ``"lru"`` (default), ``"fifo"`` or ``"keep"`` (never evict;
     stop admitting when full). ``on_evict`` is called with each evicted :class:`Entry`
     after its row is gone.
+
+    Opening reconciles the index with the directory and repairs it (stale downloads,
+    orphans, missing files, the size bound); ``reconcile=False`` skips that, e.g. to
+    report with ``check()`` before repairing anything.
     """
 
     def __init__(
@@ -287,6 +268,8 @@ class Store:
         cache_size: int = 10**15,
         policy: EvictionPolicy = "lru",
         on_evict: Callable[[Entry], None] | None = None,
+        *,
+        reconcile: bool = True,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {policy!r}; expected one of {POLICIES}")
@@ -304,7 +287,8 @@ class Store:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CacheError(f"{self.cache_dir}: cannot create cache directory: {exc}") from exc
-        self._reconcile(fix=True)
+        if reconcile:
+            self._reconcile(fix=True)
 
     # -- connection ------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import braceexpand
 
-from shardcache.errors import ShardcacheError
+from shardcache.errors import ProxyURLError
 
 __all__ = [
     "ProxyURLError",
@@ -29,10 +29,6 @@ PROXY_ENV = "SHARDCACHE_PROXY"
 
 _SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
-
-
-class ProxyURLError(ShardcacheError, ValueError):
-    """A URL, proxy address or upstream spec that :func:`proxied` cannot rewrite."""
 
 
 def shard_uuid(path: str) -> str:
@@ -145,7 +141,16 @@ def _map_prefix(url: str, base: str, rules: list[tuple[str, str]]) -> str:
     if rule is not None:
         name, ubase = rule
         rest = url[len(ubase) + 1 :]
-        return f"{base}/{name}/{rest}" if name else f"{base}/{rest}"
+        if name:
+            return f"{base}/{name}/{rest}"
+        first = rest.split("/", 1)[0]
+        if any(first == n for n, _ in rules if n) or _SCHEME_RE.match(rest):
+            # the proxy would read /<first>/... as another upstream's path
+            raise ProxyURLError(
+                f"{url!r}: its short path /{rest} under upstream {ubase!r} would reach the "
+                "proxy as a named upstream's path or an absolute URL; name the upstream"
+            )
+        return f"{base}/{rest}"
     if _SCHEME_RE.match(url):
         return f"{base}/{url}"
     raise ProxyURLError(f"{url!r}: only absolute URLs (scheme://host/path) can be proxied")
@@ -172,7 +177,13 @@ def _map_pattern(pattern: str, base: str, rules: list[tuple[str, str]]) -> str:
     ambiguous = any(
         (ubase + "/").startswith(fixed) and len(ubase) + 1 > len(fixed) for _, ubase in rules
     )
-    decided = _match_rule(fixed, rules) is not None or _SCHEME_RE.match(fixed)
+    rule = _match_rule(fixed, rules)
+    decided = rule is not None or _SCHEME_RE.match(fixed)
+    if rule is not None and not rule[0] and any(n for n, _ in rules):
+        # an unnamed upstream's short path must not start like a named one: that needs
+        # the whole first path segment, which braces may still change
+        if "/" not in fixed[len(rule[1]) + 1 :]:
+            decided = False
     if decided and not ambiguous:
         return _map_prefix(fixed, base, rules) + pattern[len(fixed) :]
     # Fall back to mapping every expansion (still one string, as a ``::`` list).

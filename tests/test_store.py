@@ -451,3 +451,62 @@ def test_unlink_failures_do_not_stop_the_sweep(tmp_path, caplog):
     report = store.check(fix=True)
     assert sum("leftover" in line for line in report.problems) == 3
     assert len(files(tmp_path)) == 3
+
+
+def test_open_without_reconcile_only_reports(tmp_path):
+    store = Store(tmp_path)
+    put(store, "http://h/a", b"aaa")
+    store.close()
+    os.unlink(tmp_path / shard_uuid("http://h/a"))
+    orphan = tmp_path / shard_uuid("http://h/orphan")
+    orphan.write_bytes(b"o")
+    report = Store(tmp_path, reconcile=False).check()
+    assert (report.missing, report.orphans, report.fixed) == (1, 1, [])
+    assert orphan.exists()
+
+
+def test_store_object_survives_fork(tmp_path):
+    store = Store(tmp_path, cache_size=1000)
+    put(store, "http://h/parent", b"p" * 10)
+    pid = os.fork()
+    if pid == 0:  # child: the inherited Store must reopen its own connection
+        code = 1
+        try:
+            put(store, "http://h/child", b"c" * 20)
+            code = 0 if store.get("http://h/parent") is not None else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert store.get("http://h/child").path.read_bytes() == b"c" * 20
+    assert store.stats()["bytes"] == 30
+
+
+def test_threads_share_one_store(tmp_path):
+    import threading
+
+    store = Store(tmp_path, cache_size=500)
+    errors = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(10):
+                put(store, f"http://h/{t}/{i}", bytes([t]) * (20 + i))
+                entry = store.get(f"http://h/{t}/{i}")
+                try:
+                    data = entry.path.read_bytes() if entry is not None else None
+                except FileNotFoundError:  # evicted by another thread since get()
+                    continue
+                if data is not None and data != bytes([t]) * (20 + i):
+                    errors.append((t, i))
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert errors == []
+    assert store.stats()["bytes"] <= 500 and store.stats()["reserved"] == 0
+    assert store.check().ok

@@ -1,0 +1,164 @@
+"""``shardcache dbcache build|info|export`` as a subprocess, shards served over real HTTP."""
+
+import functools
+import http.server
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import threading
+
+import pytest
+
+from dbcache import DBCache
+
+
+def write_shard(path, samples):
+    with tarfile.open(path, "w") as tar:
+        for sample in samples:
+            for name, value in sample.items():
+                if name.startswith("__"):
+                    continue
+                member = tarfile.TarInfo(f"{sample['__key__']}.{name}")
+                member.size = len(value)
+                tar.addfile(member, io.BytesIO(value))
+
+
+class Recorder(http.server.SimpleHTTPRequestHandler):
+    paths: list  # set per server
+
+    def do_GET(self):
+        self.paths.append(self.path)
+        if self.path.startswith("/http://"):  # a proxy: serve the named shard from our dir
+            self.path = "/" + self.path.rsplit("/", 1)[-1]
+        super().do_GET()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def serve(tmp_path):
+    servers = []
+
+    def start(directory):
+        handler = type("H", (Recorder,), {"paths": []})
+        server = http.server.ThreadingHTTPServer(
+            ("127.0.0.1", 0), functools.partial(handler, directory=str(directory))
+        )
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}", handler.paths
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def shards(tmp_path):
+    root = tmp_path / "www"
+    root.mkdir()
+    samples = []
+    for k in range(3):
+        part = [
+            {"__key__": f"s{k}-{i:03d}", "jpg": os.urandom(200), "cls": str(i).encode()}
+            for i in range(10)
+        ]
+        write_shard(root / f"val-{k:03d}.tar", part)
+        samples += part
+    return root, samples
+
+
+def run(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "shardcache", "dbcache", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_build_info_export_round_trip(tmp_path, serve, shards):
+    wds = pytest.importorskip("webdataset")
+    root, samples = shards
+    base, paths = serve(root)
+    db = str(tmp_path / "val.db")
+    res = run("build", db, base + "/val-{000..002}.tar", "--size", "25")
+    assert res.returncode == 0, res.stderr
+    assert "25 of 25" in res.stderr or "25 samples" in res.stderr
+    assert paths == ["/val-000.tar", "/val-001.tar", "/val-002.tar"]
+
+    res = run("info", db, "--json")
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout)
+    assert info["size"] == 25 and info["count"] == 25 and info["codec"] == "safe"
+    assert info["format_version"] == 1
+    assert info["bytes"] > 25 * 200
+    res = run("info", db)
+    assert "count:   25 (full)" in res.stdout and "codec:   safe" in res.stdout
+
+    out = str(tmp_path / "out.tar")
+    res = run("export", db, out)
+    assert res.returncode == 0, res.stderr
+    back = list(wds.WebDataset(out, shardshuffle=False))
+    assert [s["__key__"] for s in back] == [s["__key__"] for s in samples[:25]]
+    for got, want in zip(back, samples[:25], strict=True):
+        assert got["jpg"] == want["jpg"] and got["cls"] == want["cls"]
+    assert not os.path.exists(out + ".part")
+
+    # building again is a no-op on a full file and fetches nothing
+    res = run("build", db, base + "/val-{000..002}.tar", "--size", "25")
+    assert res.returncode == 0 and "already full" in res.stderr
+    assert len(paths) == 3
+
+
+def test_build_through_a_proxy(tmp_path, serve, shards):
+    root, _ = shards
+    proxy, paths = serve(root)
+    db = str(tmp_path / "val.db")
+    origin = "http://127.0.0.1:9/val-{000..001}.tar"  # nothing listens there
+    res = run("build", db, origin, "--size", "20", "--proxy", proxy, "--quiet")
+    assert res.returncode == 0, res.stderr
+    assert len(paths) == 2 and all("val-00" in p for p in paths)
+    assert len(DBCache(db, 20)) == 20
+
+
+def test_build_errors(tmp_path, serve, shards):
+    root, _ = shards
+    base, _ = serve(root)
+    db = str(tmp_path / "val.db")
+    res = run("build", db, base + "/val-{000..001}.tar", "--size", "50", "--quiet")
+    assert res.returncode == 1
+    assert "only 20 distinct samples, fewer than --size 50" in res.stderr
+    res = run("build", db, base + "/val-000.tar", "--size", "40")
+    assert res.returncode == 1
+    assert "holds a cache of size 50, opened with size 40" in res.stderr
+    res = run("build", str(tmp_path / "x.db"), base + "/missing.tar", "--size", "5", "--quiet")
+    assert res.returncode == 1
+    assert "missing.tar: HTTP 404" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_info_and_export_of_bad_files(tmp_path):
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not sqlite at all" * 64)
+    for args in (("info", str(junk)), ("export", str(junk), str(tmp_path / "o.tar"))):
+        res = run(*args)
+        assert res.returncode == 1
+        assert res.stderr.strip() == f"shardcache dbcache: error: {junk}: not an SQLite database"
+    res = run("info", str(tmp_path / "none.db"))
+    assert res.returncode == 1 and "none.db: no such file" in res.stderr
+    assert not (tmp_path / "none.db").exists()
+    assert not (tmp_path / "o.tar").exists()
+
+
+def test_export_refuses_keys_a_tar_cannot_hold(tmp_path):
+    db = str(tmp_path / "v.db")
+    list(DBCache(db, 1, [{"__key__": "a.b", "__url__": "", "x": b"1"}]))
+    res = run("export", db, str(tmp_path / "o.tar"))
+    assert res.returncode == 1 and "'a.b'" in res.stderr
+    assert not (tmp_path / "o.tar").exists() and not (tmp_path / "o.tar.part").exists()
