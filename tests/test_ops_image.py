@@ -1,0 +1,193 @@
+"""Run the container image's exact ENTRYPOINT + CMD + ENV (parsed from docker/Dockerfile)
+in this virtualenv, and the example trainer through it: a healthy proxy, the image's own
+HEALTHCHECK command passing, the dashboard's metrics really exported, a clean SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from opshelpers import Origin, free_port, http_get, make_shard, wait_healthy
+from test_ops_lint import dashboard_exprs, metric_names
+
+REPO = Path(__file__).resolve().parent.parent
+DOCKERFILE = REPO / "docker" / "Dockerfile"
+VENV_BIN = str(Path(sys.executable).parent)
+
+
+def final_stage() -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    stages: list[list[tuple[str, str]]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        instr, _, arg = line.partition(" ")
+        if instr.upper() == "FROM":
+            stages.append([])
+        if stages:
+            stages[-1].append((instr.upper(), arg.strip()))
+    return stages[-1]
+
+
+def parse_env(arg: str) -> dict[str, str]:
+    """ENV KEY=VALUE [KEY=VALUE ...] (values without spaces, as in our Dockerfile)."""
+    out = {}
+    for pair in arg.split():
+        key, eq, value = pair.partition("=")
+        assert eq, f"ENV without '=': {pair}"
+        out[key] = value.strip('"')
+    return out
+
+
+def image_spec() -> tuple[dict[str, str], list[str], list[str]]:
+    env: dict[str, str] = {}
+    entrypoint = cmd = healthcheck = None
+    for instr, arg in final_stage():
+        if instr == "ENV":
+            env.update(parse_env(arg))
+        elif instr == "ENTRYPOINT":
+            entrypoint = json.loads(arg)
+        elif instr == "CMD":
+            cmd = json.loads(arg)
+        elif instr == "HEALTHCHECK":
+            healthcheck = json.loads(arg.split(" CMD ", 1)[1])
+    assert entrypoint and cmd and healthcheck, "ENTRYPOINT, CMD and HEALTHCHECK expected"
+    return env, entrypoint + cmd, healthcheck
+
+
+def test_image_spec_parses_as_exec_form():
+    env, argv, health = image_spec()
+    assert argv == ["shardcache", "serve"]
+    assert env["SHARDCACHE_CACHE_DIR"] == "/var/cache/shardcache"
+    assert health[0] == "python"
+
+
+@pytest.fixture
+def image_run(tmp_path):
+    """The image's process started as Docker would, with machine-specific overrides only."""
+    image_env, argv, health = image_spec()
+    shards = {f"/train-{i}.tar": make_shard(i, 300_000) for i in range(3)}
+    with Origin(shards) as origin:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDCACHE_")}
+        for key, value in image_env.items():
+            # $PATH expands as Docker does; the image's venv is ours here.
+            value = value.replace("$PATH", os.environ.get("PATH", ""))
+            env[key] = value.replace("/opt/shardcache/bin", VENV_BIN)
+        port = free_port()
+        overrides = {
+            # Paths and addresses of this machine; everything else is the image's.
+            "SHARDCACHE_CACHE_DIR": str(tmp_path / "cache"),
+            "SHARDCACHE_HOST": "127.0.0.1",
+            "SHARDCACHE_PORT": str(port),
+            # The image leaves the upstream to the deployment (compose, k8s ConfigMap).
+            "SHARDCACHE_UPSTREAM": origin.url,
+        }
+        env.update(overrides)
+        log = open(tmp_path / "proxy.log", "wb")
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, proc, timeout=30)
+            yield proc, url, env, health, origin, shards, tmp_path
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            log.close()
+
+
+def test_image_entrypoint_serves_healthy_and_stops_cleanly_on_sigterm(image_run):
+    proc, url, env, health, origin, shards, tmp_path = image_run
+    status, body, _ = http_get(f"{url}/-/healthz")
+    assert status == 200
+    # the image's HEALTHCHECK command, run as Docker runs it
+    res = subprocess.run(health, env=env, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    # a shard through the proxy: miss, then hit
+    status, body, headers = http_get(f"{url}/train-1.tar")
+    assert status == 200 and body == shards["/train-1.tar"]
+    status, body, headers = http_get(f"{url}/train-1.tar")
+    # (COALESCED when the first download is still being committed)
+    assert body == shards["/train-1.tar"] and headers.get("X-Cache") in ("HIT", "COALESCED")
+    assert origin.gets["/train-1.tar"] == 1
+    # every series the dashboard queries is exported
+    status, text, _ = http_get(f"{url}/metrics")
+    exported = set()
+    for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text.decode(), re.M):
+        exported.add(name)
+        if kind == "counter":
+            exported.add(name if name.endswith("_total") else name + "_total")
+        if kind == "histogram":
+            exported |= {name + s for s in ("_bucket", "_sum", "_count")}
+    used = set().union(*(metric_names(e) for e in dashboard_exprs()))
+    assert used <= exported, f"dashboard queries metrics not exported: {used - exported}"
+    # SIGTERM (what `docker stop` sends to PID 1): a clean, prompt exit
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(35) == 0
+    assert time.monotonic() - t0 < 30
+    assert not list((tmp_path / "cache").glob("*.part"))
+    res = subprocess.run(health, env=env, capture_output=True, text=True, timeout=30)
+    assert res.returncode != 0  # the healthcheck notices a dead proxy
+
+
+def test_trainer_reads_through_the_proxy_and_prints_throughput(image_run, tmp_path):
+    proc, url, env, health, origin, shards, _ = image_run
+    trainer = str(REPO / "docker" / "trainer.py")
+    data = tmp_path / "data"
+    res = subprocess.run(
+        [
+            sys.executable,
+            trainer,
+            "make",
+            "--out",
+            str(data),
+            "--shards",
+            "3",
+            "--samples",
+            "10",
+            "--sample-size",
+            "2000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    for name in sorted(os.listdir(data)):
+        origin.files[f"/ds/{name}"] = (data / name).read_bytes()
+    res = subprocess.run(
+        [
+            sys.executable,
+            trainer,
+            "read",
+            "--urls",
+            f"{url}/ds/train-{{000000..000002}}.tar",
+            "--epochs",
+            "2",
+            "--sidecar",
+            url,
+            "--json",
+            "--opener",
+            "urllib",  # as in the slim image, which has no curl
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in env.items() if not k.startswith("SHARDCACHE_")},
+    )
+    assert res.returncode == 0, res.stderr
+    assert re.search(r"epoch 0: 30 samples, .* samples/s, .* MB/s", res.stdout)
+    epochs = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [e["samples"] for e in epochs] == [30, 30]
+    assert "sidecar /-/stats" in res.stdout
+    # the second epoch came from the cache: one origin GET per shard in all
+    assert [origin.gets[f"/ds/train-{i:06d}.tar"] for i in range(3)] == [1, 1, 1]
