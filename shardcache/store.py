@@ -1,0 +1,877 @@
+"""The on-disk shard store shared by ``cache_shards`` and the proxy.
+
+Layout of ``cache_dir``::
+
+    <shard_uuid(url)>                     a complete entry (bytes exactly as the upstream sent)
+    <key>.<pid>.<random>.part             a download in progress (never served as an entry)
+    <key>.<random>.del                    an evicted entry waiting to be unlinked
+    .shardcache.sqlite (+ -wal, -shm)     the index
+
+The index is plain :mod:`sqlite3` in WAL mode. Every change is one short
+``BEGIN IMMEDIATE`` transaction, which takes SQLite's write lock up front: the
+read-decide-write steps of space accounting (sum entries and reservations, pick victims,
+insert a reservation) run serialised across every process sharing the directory, with no
+deadlock-prone lock upgrade. Renames of entry files (commit's ``os.replace``, eviction's
+rename to ``*.del``) happen inside those transactions, so a file and its row change
+together as far as other processes can tell; the slow part, unlinking evicted files, runs
+after the transaction commits.
+
+Which entries to evict is decided by :func:`choose_victims`, a pure function over rows.
+
+The store is synchronous. Async callers run each call in a thread
+(``asyncio.to_thread``); each call is one transaction plus a stat or a rename.
+SQLite's locking needs a local filesystem (WAL does not work over NFS).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+from shardcache.errors import CacheError, IncompleteDownloadError
+
+__all__ = [
+    "EvictionPolicy",
+    "Entry",
+    "Partial",
+    "CheckReport",
+    "Store",
+    "NoRoomError",
+    "choose_victims",
+    "eviction_order",
+    "INDEX_NAME",
+]
+
+log = logging.getLogger(__name__)
+
+EvictionPolicy = Literal["lru", "fifo", "keep"]
+POLICIES: tuple[str, ...] = ("lru", "fifo", "keep")
+
+INDEX_NAME = ".shardcache.sqlite"
+PART_SUFFIX = ".part"
+DEL_SUFFIX = ".del"
+STALE_AGE = 24 * 3600.0  # a .part or reservation older than this is stale whatever its pid
+BUSY_TIMEOUT_MS = 60_000
+
+
+def _shard_uuid(url: str) -> str:
+    # TODO(single definition): replaced by shardcache.urls.shard_uuid once available.
+    return str(uuid.uuid3(uuid.NAMESPACE_URL, url))
+
+
+try:  # pragma: no cover - depends on which modules are present
+    from shardcache.urls import shard_uuid
+except ImportError:  # pragma: no cover
+    shard_uuid = _shard_uuid
+
+
+class _Rollback(Exception):
+    """Raised inside a transaction to roll it back."""
+
+
+class NoRoomError(CacheError):
+    """A download of unknown size outgrew the room the cache could give it."""
+
+    def __init__(self, url: str, size: int, limit: int) -> None:
+        self.url = url
+        self.size = size
+        self.limit = limit
+        super().__init__(f"{url}: {size} bytes do not fit in a cache of {limit} bytes")
+
+    def __reduce__(self):
+        return (type(self), (self.url, self.size, self.limit))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A complete cache entry; its bytes are in ``path``."""
+
+    key: str
+    url: str
+    path: Path
+    size: int
+    etag: str | None
+    last_modified: str | None
+    content_type: str | None
+    created: float
+    last_access: float
+    hits: int
+
+
+@dataclass
+class Partial:
+    """A download in progress: a unique ``<key>.<pid>.<random>.part`` file in cache_dir.
+
+    The caller opens ``path`` for writing (``'wb'``); readers may open it for reading to
+    follow the growing file. Finish with :meth:`Store.commit` or :meth:`Store.abort`.
+    """
+
+    url: str
+    key: str
+    path: Path
+    expected_size: int | None
+    reserved: int
+
+
+@dataclass
+class CheckReport:
+    """What :meth:`Store.check` found (``problems``) and repaired (``fixed``)."""
+
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+    fixed: list[str] = field(default_factory=list)
+    entries: int = 0
+    bytes: int = 0
+    orphans: int = 0
+    missing: int = 0
+    size_mismatch: int = 0
+    stale_partials: int = 0
+
+
+# --------------------------------------------------------------------------------------
+# Pure policy
+
+
+class _Row(Protocol):
+    @property
+    def key(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def created(self) -> float: ...
+    @property
+    def last_access(self) -> float: ...
+
+
+def eviction_order(rows: Iterable[_Row], policy: str) -> list:
+    """Rows in the order they would be evicted (first = next victim).
+
+    ``lru``: oldest ``last_access`` first; ``fifo``: oldest ``created`` first; ``keep``:
+    nothing is ever evicted (empty list). Ties are broken by the other timestamp, then key,
+    so the order is deterministic.
+    """
+    if policy == "keep":
+        return []
+    if policy == "lru":
+        return sorted(rows, key=lambda r: (r.last_access, r.created, r.key))
+    if policy == "fifo":
+        return sorted(rows, key=lambda r: (r.created, r.last_access, r.key))
+    raise ValueError(f"unknown eviction policy {policy!r}; expected one of {POLICIES}")
+
+
+def choose_victims(
+    rows: Sequence[_Row], policy: str, used: int, limit: int, need: int, exclude: Iterable[str] = ()
+) -> list | None:
+    """Which rows to evict so that ``used + need <= limit``.
+
+    ``used`` counts entry bytes plus every reservation. Returns the victims (possibly empty)
+    in eviction order, or None when even evicting every candidate would not make room (or
+    the policy forbids eviction). Rows whose key is in ``exclude`` are never chosen.
+    """
+    if need > limit:
+        return None
+    excess = used + need - limit
+    if excess <= 0:
+        return []
+    skip = set(exclude)
+    victims = []
+    for row in eviction_order((r for r in rows if r.key not in skip), policy):
+        victims.append(row)
+        excess -= row.size
+        if excess <= 0:
+            return victims
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# Helpers
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def _is_uuid(name: str) -> bool:
+    try:
+        return str(uuid.UUID(name)) == name
+    except ValueError:
+        return False
+
+
+def _parse_part(name: str) -> tuple[str, int] | None:
+    """``<key>.<pid>.<random>.part`` -> (key, pid), or None if not one of ours."""
+    if not name.endswith(PART_SUFFIX):
+        return None
+    parts = name[: -len(PART_SUFFIX)].split(".")
+    if len(parts) != 3 or not _is_uuid(parts[0]) or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1])
+
+
+def _is_del(name: str) -> bool:
+    if not name.endswith(DEL_SUFFIX):
+        return False
+    parts = name[: -len(DEL_SUFFIX)].split(".")
+    return len(parts) == 2 and _is_uuid(parts[0])
+
+
+_HOST = socket.gethostname()
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    key TEXT PRIMARY KEY,
+    url TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    etag TEXT,
+    last_modified TEXT,
+    content_type TEXT,
+    created REAL NOT NULL,
+    last_access REAL NOT NULL,
+    hits INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS entries_last_access ON entries(last_access);
+CREATE INDEX IF NOT EXISTS entries_created ON entries(created);
+CREATE TABLE IF NOT EXISTS reservations (
+    name TEXT PRIMARY KEY,          -- the .part file name
+    key TEXT NOT NULL,
+    url TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    host TEXT NOT NULL,
+    created REAL NOT NULL,
+    expected INTEGER,
+    bytes INTEGER NOT NULL
+);
+"""
+
+_ENTRY_COLS = "key, url, size, etag, last_modified, content_type, created, last_access, hits"
+
+
+# --------------------------------------------------------------------------------------
+# The store
+
+
+class Store:
+    """An on-disk shard store: entry files named by ``shard_uuid(url)`` plus an SQLite index.
+
+    Process-safe (several processes may share ``cache_dir``) and thread-safe (one
+    connection per process, guarded by a lock, reopened after ``fork``).
+
+    ``cache_size`` bounds entry bytes plus the bytes reserved by downloads in progress in
+    every process. ``policy`` is ``"lru"`` (default), ``"fifo"`` or ``"keep"`` (never evict;
+    stop admitting when full). ``on_evict`` is called with each evicted :class:`Entry`
+    after its row is gone.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike,
+        cache_size: int = 10**15,
+        policy: EvictionPolicy = "lru",
+        on_evict: Callable[[Entry], None] | None = None,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown eviction policy {policy!r}; expected one of {POLICIES}")
+        cache_size = int(cache_size)
+        if cache_size < 0:
+            raise ValueError(f"cache_size must be >= 0, got {cache_size}")
+        self.cache_dir = Path(cache_dir)
+        self.cache_size = cache_size
+        self.policy: str = policy
+        self.on_evict = on_evict
+        self._lock = threading.RLock()
+        self._conn: sqlite3.Connection | None = None
+        self._pid = -1
+        try:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CacheError(f"{self.cache_dir}: cannot create cache directory: {exc}") from exc
+        self._reconcile(fix=True)
+
+    # -- connection ------------------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        if self._conn is not None and self._pid == os.getpid():
+            return self._conn
+        # After a fork the inherited connection must not be used (nor closed) here.
+        try:
+            conn = sqlite3.connect(
+                self.cache_dir / INDEX_NAME,
+                isolation_level=None,
+                timeout=BUSY_TIMEOUT_MS / 1000,
+                check_same_thread=False,
+            )
+            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            conn.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise CacheError(f"{self.cache_dir / INDEX_NAME}: cannot open index: {exc}") from exc
+        self._conn = conn
+        self._pid = os.getpid()
+        return conn
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (BEGIN IMMEDIATE): serialised across processes."""
+        with self._lock:
+            conn = self._connect()
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise CacheError(f"{self.cache_dir}: cannot lock index: {exc}") from exc
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            else:
+                try:
+                    conn.execute("COMMIT")
+                except sqlite3.Error as exc:
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK")
+                    raise CacheError(f"{self.cache_dir}: index commit failed: {exc}") from exc
+
+    def close(self) -> None:
+        """Close the index connection (the store reopens it if used again)."""
+        with self._lock:
+            if self._conn is not None and self._pid == os.getpid():
+                self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Store({str(self.cache_dir)!r}, cache_size={self.cache_size}, policy={self.policy!r})"
+        )
+
+    # -- naming ------------------------------------------------------------------------
+
+    def key(self, url: str) -> str:
+        """The entry key of ``url``: ``shard_uuid`` of the full URL."""
+        return shard_uuid(url)
+
+    def entry_path(self, url: str) -> Path:
+        """Where the entry of ``url`` lives (whether or not it exists)."""
+        return self.cache_dir / self.key(url)
+
+    def _row_to_entry(self, row: Sequence) -> Entry:
+        key, url, size, etag, lm, ctype, created, last_access, hits = row
+        return Entry(
+            key=key,
+            url=url,
+            path=self.cache_dir / key,
+            size=size,
+            etag=etag,
+            last_modified=lm,
+            content_type=ctype,
+            created=created,
+            last_access=last_access,
+            hits=hits,
+        )
+
+    # -- lookup ------------------------------------------------------------------------
+
+    def _file_size(self, path: Path) -> int | None:
+        try:
+            return path.stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def get(self, url: str, *, touch: bool = True) -> Entry | None:
+        """The entry of ``url`` if complete and its file exists with the indexed size.
+
+        A row whose file is missing or has the wrong size is dropped and None returned.
+        ``touch=True`` records the access (last_access, hits) for LRU.
+        """
+        key = self.key(url)
+        if not touch:
+            with self._lock:
+                row = (
+                    self._connect()
+                    .execute(f"SELECT {_ENTRY_COLS} FROM entries WHERE key = ?", (key,))
+                    .fetchone()
+                )
+            if row is None:
+                return None
+            entry = self._row_to_entry(row)
+            if self._file_size(entry.path) == entry.size:
+                return entry
+            # Re-check under the write lock before dropping anything.
+        now = time.time()
+        bad_file: Path | None = None
+        with self._tx() as conn:
+            row = conn.execute(
+                f"SELECT {_ENTRY_COLS} FROM entries WHERE key = ?", (key,)
+            ).fetchone()
+            if row is None:
+                return None
+            entry = self._row_to_entry(row)
+            actual = self._file_size(entry.path)
+            if actual != entry.size:
+                log.warning(
+                    "cache entry %s for %s is %s, dropping it",
+                    entry.path,
+                    url,
+                    "missing" if actual is None else f"{actual} bytes, not {entry.size}",
+                )
+                conn.execute("DELETE FROM entries WHERE key = ?", (key,))
+                if actual is not None:
+                    bad_file = self._move_aside(entry.path)
+                entry = None
+            elif touch:
+                conn.execute(
+                    "UPDATE entries SET last_access = ?, hits = hits + 1 WHERE key = ?", (now, key)
+                )
+                entry = Entry(**{**entry.__dict__, "last_access": now, "hits": entry.hits + 1})
+        if bad_file is not None:
+            self._unlink(bad_file)
+        return entry
+
+    # -- downloads -----------------------------------------------------------------------
+
+    def _used(self, conn: sqlite3.Connection) -> tuple[int, int]:
+        entries = conn.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0]
+        reserved = conn.execute("SELECT COALESCE(SUM(bytes), 0) FROM reservations").fetchone()[0]
+        return int(entries), int(reserved)
+
+    def _drop_dead_reservations(self, conn: sqlite3.Connection) -> list[Path]:
+        """Delete reservation rows of dead local pids or older than STALE_AGE.
+
+        Returns their .part paths, to unlink after the transaction.
+        """
+        now = time.time()
+        stale = []
+        for name, pid, host, created in conn.execute(
+            "SELECT name, pid, host, created FROM reservations"
+        ).fetchall():
+            if now - created > STALE_AGE or (host == _HOST and not _pid_alive(pid)):
+                stale.append(name)
+        for name in stale:
+            conn.execute("DELETE FROM reservations WHERE name = ?", (name,))
+        return [self.cache_dir / name for name in stale]
+
+    def _make_room(
+        self, conn: sqlite3.Connection, need: int, exclude: Iterable[str] = ()
+    ) -> list[tuple[Entry, Path | None]] | None:
+        """Evict rows (inside the transaction) so that ``need`` more bytes fit.
+
+        Returns the evicted entries with the ``.del`` names their files were moved to, or
+        None (nothing changed) when room cannot be made.
+        """
+        entries_bytes, reserved = self._used(conn)
+        used = entries_bytes + reserved
+        if used + need <= self.cache_size:
+            return []
+        rows = [
+            self._row_to_entry(r)
+            for r in conn.execute(f"SELECT {_ENTRY_COLS} FROM entries").fetchall()
+        ]
+        victims = choose_victims(rows, self.policy, used, self.cache_size, need, exclude)
+        if victims is None:
+            return None
+        evicted = []
+        for victim in victims:
+            conn.execute("DELETE FROM entries WHERE key = ?", (victim.key,))
+            evicted.append((victim, self._move_aside(victim.path)))
+        return evicted
+
+    def _move_aside(self, path: Path) -> Path | None:
+        """Rename an entry file to a unique ``.del`` name (inside a transaction)."""
+        target = path.with_name(f"{path.name}.{secrets.token_hex(6)}{DEL_SUFFIX}")
+        try:
+            os.replace(path, target)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.error("cannot move evicted cache file %s aside: %s", path, exc)
+            return path  # try to unlink it in place
+        return target
+
+    def _unlink(self, path: Path) -> bool:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            log.error("cannot delete cache file %s: %s", path, exc)
+            return False
+        return True
+
+    def _finish_evictions(self, evicted: Iterable[tuple[Entry, Path | None]]) -> None:
+        """After the transaction: unlink evicted files; keep going past failures."""
+        for entry, moved in evicted:
+            if moved is not None:
+                self._unlink(moved)
+            log.debug("evicted %s (%s, %d bytes)", entry.key, entry.url, entry.size)
+            if self.on_evict is not None:
+                try:
+                    self.on_evict(entry)
+                except Exception:  # a metrics callback must not break eviction
+                    log.exception("on_evict callback failed for %s", entry.url)
+
+    def begin(self, url: str, expected_size: int | None) -> Partial | None:
+        """Reserve room for a download of ``url`` and create its unique, empty ``.part`` file.
+
+        Evicts per policy so that entries plus all live reservations stay within
+        ``cache_size``. Returns None when the shard cannot be admitted (bigger than
+        ``cache_size``, or no room can be made, e.g. policy ``keep`` when full): the caller
+        streams it through uncached. ``expected_size=None`` reserves 0 bytes; use
+        :meth:`grow` as bytes arrive.
+        """
+        if expected_size is not None and expected_size < 0:
+            raise ValueError(f"expected_size must be >= 0, got {expected_size}")
+        key = self.key(url)
+        need = expected_size or 0
+        if need > self.cache_size:
+            return None
+        name = f"{key}.{os.getpid()}.{secrets.token_hex(6)}{PART_SUFFIX}"
+        path = self.cache_dir / name
+        with self._tx() as conn:
+            dead = self._drop_dead_reservations(conn)
+            evicted = self._make_room(conn, need)
+            if evicted is not None:
+                conn.execute(
+                    "INSERT INTO reservations (name, key, url, pid, host, created, expected, "
+                    "bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (name, key, url, os.getpid(), _HOST, time.time(), expected_size, need),
+                )
+        for p in dead:
+            self._unlink(p)
+        if evicted is None:
+            return None
+        self._finish_evictions(evicted)
+        partial = Partial(url=url, key=key, path=path, expected_size=expected_size, reserved=need)
+        try:
+            with open(path, "xb"):
+                pass
+        except OSError as exc:
+            self.abort(partial)
+            raise CacheError(f"{path}: cannot create download file: {exc}") from exc
+        return partial
+
+    def grow(self, partial: Partial, size: int) -> bool:
+        """Ensure ``size`` bytes are reserved for ``partial``, evicting as needed.
+
+        False when the download can no longer fit: the caller should :meth:`abort` it and
+        stream the rest through uncached.
+        """
+        if size <= partial.reserved:
+            return True
+        if size > self.cache_size:
+            return False
+        with self._tx() as conn:
+            row = conn.execute(
+                "SELECT bytes FROM reservations WHERE name = ?", (partial.path.name,)
+            ).fetchone()
+            if row is None:
+                return False  # reservation was dropped (aborted or declared stale)
+            dead = self._drop_dead_reservations(conn)
+            evicted = self._make_room(conn, size - int(row[0]), exclude=(partial.key,))
+            if evicted is not None:
+                conn.execute(
+                    "UPDATE reservations SET bytes = ? WHERE name = ?", (size, partial.path.name)
+                )
+        for p in dead:
+            self._unlink(p)
+        if evicted is None:
+            return False
+        partial.reserved = size
+        self._finish_evictions(evicted)
+        return True
+
+    def commit(
+        self,
+        partial: Partial,
+        size: int,
+        *,
+        etag: str | None = None,
+        last_modified: str | None = None,
+        content_type: str | None = None,
+    ) -> Entry:
+        """Turn a finished download into an entry.
+
+        Verifies that the ``.part`` file holds exactly ``size`` bytes and, when known,
+        ``expected_size``; otherwise deletes it, releases the reservation and raises
+        :class:`IncompleteDownloadError`. Then fsyncs, renames it into place atomically
+        (a concurrent committer of the same URL simply replaces it), records the row and
+        releases the reservation. Raises :class:`NoRoomError` (after discarding the
+        download) if a download of unknown size turned out too big to keep.
+        """
+        expected = partial.expected_size if partial.expected_size is not None else size
+        actual = self._file_size(partial.path)
+        if actual is None or actual != size or size != expected:
+            self.abort(partial)
+            raise IncompleteDownloadError(partial.url, actual or 0, expected)
+        try:
+            fd = os.open(partial.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self.abort(partial)
+            raise CacheError(f"{partial.path}: cannot flush download: {exc}") from exc
+        target = self.cache_dir / partial.key
+        now = time.time()
+        try:
+            with self._tx() as conn:
+                conn.execute("DELETE FROM reservations WHERE name = ?", (partial.path.name,))
+                # Replacing an entry of the same URL frees its bytes first.
+                conn.execute("DELETE FROM entries WHERE key = ?", (partial.key,))
+                evicted = self._make_room(conn, size, exclude=(partial.key,))
+                if evicted is None:
+                    raise _Rollback
+                try:
+                    os.replace(partial.path, target)
+                except OSError as exc:
+                    raise CacheError(f"{target}: cannot move download into place: {exc}") from exc
+                conn.execute(
+                    f"INSERT INTO entries ({_ENTRY_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        partial.key,
+                        partial.url,
+                        size,
+                        etag,
+                        last_modified,
+                        content_type,
+                        now,
+                        now,
+                        0,
+                    ),
+                )
+        except _Rollback:
+            self.abort(partial)
+            raise NoRoomError(partial.url, size, self.cache_size) from None
+        except CacheError:
+            self.abort(partial)
+            raise
+        partial.reserved = 0
+        self._finish_evictions(evicted)
+        self._fsync_dir()
+        return Entry(
+            key=partial.key,
+            url=partial.url,
+            path=target,
+            size=size,
+            etag=etag,
+            last_modified=last_modified,
+            content_type=content_type,
+            created=now,
+            last_access=now,
+            hits=0,
+        )
+
+    def _fsync_dir(self) -> None:
+        with contextlib.suppress(OSError):
+            fd = os.open(self.cache_dir, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def abort(self, partial: Partial) -> None:
+        """Delete the ``.part`` file (missing is fine) and release its reservation.
+
+        Idempotent.
+        """
+        self._unlink(partial.path)
+        with self._tx() as conn:
+            conn.execute("DELETE FROM reservations WHERE name = ?", (partial.path.name,))
+        partial.reserved = 0
+
+    # -- administration ----------------------------------------------------------------
+
+    def remove(self, url: str) -> bool:
+        """Purge the entry of ``url``. True if there was one."""
+        key = self.key(url)
+        with self._tx() as conn:
+            row = conn.execute(
+                f"SELECT {_ENTRY_COLS} FROM entries WHERE key = ?", (key,)
+            ).fetchone()
+            if row is None:
+                return False
+            entry = self._row_to_entry(row)
+            conn.execute("DELETE FROM entries WHERE key = ?", (key,))
+            moved = self._move_aside(entry.path)
+        if moved is not None:
+            self._unlink(moved)
+        return True
+
+    def clear(self) -> int:
+        """Purge every entry (downloads in progress are left alone). Returns the count."""
+        with self._tx() as conn:
+            rows = [
+                self._row_to_entry(r)
+                for r in conn.execute(f"SELECT {_ENTRY_COLS} FROM entries").fetchall()
+            ]
+            conn.execute("DELETE FROM entries")
+            moved = [self._move_aside(e.path) for e in rows]
+        for p in moved:
+            if p is not None:
+                self._unlink(p)
+        return len(rows)
+
+    def entries(self) -> list[Entry]:
+        """All entries in eviction order (first = next victim; by LRU order for ``keep``)."""
+        with self._lock:
+            rows = [
+                self._row_to_entry(r)
+                for r in self._connect().execute(f"SELECT {_ENTRY_COLS} FROM entries").fetchall()
+            ]
+        return eviction_order(rows, "lru" if self.policy == "keep" else self.policy)
+
+    def stats(self) -> dict:
+        """Totals: entries, bytes, reserved, limit, downloads (in progress, all processes)."""
+        with self._lock:
+            conn = self._connect()
+            n, nbytes = conn.execute(
+                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries"
+            ).fetchone()
+            k, reserved = conn.execute(
+                "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM reservations"
+            ).fetchone()
+        return {
+            "entries": int(n),
+            "bytes": int(nbytes),
+            "reserved": int(reserved),
+            "limit": self.cache_size,
+            "downloads": int(k),
+            "policy": self.policy,
+        }
+
+    def check(self, fix: bool = False) -> CheckReport:
+        """Reconcile the index with the directory; report (and with ``fix``, repair).
+
+        Problems: rows whose file is missing or has the wrong size, entry files with no row
+        (orphans: their URL is unknown, so they are removed), stale ``.part`` files and
+        reservations of dead processes, leftover ``.del`` files, totals over ``cache_size``.
+        """
+        return self._reconcile(fix=fix)
+
+    def _reconcile(self, fix: bool) -> CheckReport:
+        report = CheckReport(ok=True)
+        to_unlink: list[Path] = []
+        evicted: list[tuple[Entry, Path | None]] = []
+        now = time.time()
+        with self._tx() as conn:
+            # Reservations of dead processes.
+            live_parts: set[str] = set()
+            for name, pid, host, created in conn.execute(
+                "SELECT name, pid, host, created FROM reservations"
+            ).fetchall():
+                if now - created > STALE_AGE or (host == _HOST and not _pid_alive(pid)):
+                    report.problems.append(f"stale reservation {name} (pid {pid})")
+                    if fix:
+                        conn.execute("DELETE FROM reservations WHERE name = ?", (name,))
+                        report.fixed.append(f"released reservation {name}")
+                else:
+                    live_parts.add(name)
+            # Files in the directory.
+            rows = {
+                r[0]: self._row_to_entry(r)
+                for r in conn.execute(f"SELECT {_ENTRY_COLS} FROM entries").fetchall()
+            }
+            seen: set[str] = set()
+            try:
+                names = os.listdir(self.cache_dir)
+            except OSError as exc:
+                raise CacheError(f"{self.cache_dir}: cannot list cache directory: {exc}") from exc
+            for name in names:
+                path = self.cache_dir / name
+                if _parse_part(name) is not None:
+                    # No live reservation: its writer is gone (begin reserves before it
+                    # creates the file; commit and abort remove both together).
+                    if name in live_parts:
+                        continue
+                    report.stale_partials += 1
+                    report.problems.append(f"stale partial download {name}")
+                    if fix:
+                        to_unlink.append(path)
+                        report.fixed.append(f"removed {name}")
+                elif _is_del(name):
+                    report.problems.append(f"leftover evicted file {name}")
+                    if fix:
+                        to_unlink.append(path)
+                        report.fixed.append(f"removed {name}")
+                elif _is_uuid(name):
+                    seen.add(name)
+                    entry = rows.get(name)
+                    size = self._file_size(path)
+                    if size is None:
+                        continue
+                    if entry is None:
+                        report.orphans += 1
+                        report.problems.append(
+                            f"orphan entry file {name} ({size} bytes, not in the index)"
+                        )
+                        if fix:
+                            moved = self._move_aside(path)
+                            if moved is not None:
+                                to_unlink.append(moved)
+                            report.fixed.append(f"removed orphan {name}")
+                    elif size != entry.size:
+                        report.size_mismatch += 1
+                        report.problems.append(
+                            f"entry {name} ({entry.url}) is {size} bytes, index says {entry.size}"
+                        )
+                        if fix:
+                            conn.execute("DELETE FROM entries WHERE key = ?", (name,))
+                            moved = self._move_aside(path)
+                            if moved is not None:
+                                to_unlink.append(moved)
+                            report.fixed.append(f"dropped entry {name} ({entry.url})")
+            for key, entry in rows.items():
+                if key not in seen:
+                    report.missing += 1
+                    report.problems.append(f"entry {key} ({entry.url}) has no file")
+                    if fix:
+                        conn.execute("DELETE FROM entries WHERE key = ?", (key,))
+                        report.fixed.append(f"dropped row {key} ({entry.url})")
+            # The size bound (e.g. after cache_size was lowered between runs).
+            entries_bytes, reserved = self._used(conn)
+            if entries_bytes + reserved > self.cache_size:
+                report.problems.append(
+                    f"cache holds {entries_bytes} bytes + {reserved} reserved, over the "
+                    f"limit of {self.cache_size}"
+                )
+                if fix:
+                    made = self._make_room(conn, 0)
+                    if made is not None:
+                        evicted = made
+                        report.fixed.append(f"evicted {len(made)} entries to fit the limit")
+            n, nbytes = conn.execute(
+                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries"
+            ).fetchone()
+            report.entries, report.bytes = int(n), int(nbytes)
+        for path in to_unlink:
+            self._unlink(path)
+        self._finish_evictions(evicted)
+        report.ok = not report.problems
+        for line in report.fixed:
+            log.info("cache %s: %s", self.cache_dir, line)
+        return report
