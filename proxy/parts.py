@@ -55,8 +55,11 @@ __all__ = [
     "can_fetch_in_parts",
     "fetch_parts",
     "is_strong_etag",
+    "info_from_headers",
     "parse_content_range",
+    "parts_stream",
     "plan_parts",
+    "response_chunks",
 ]
 
 
@@ -333,6 +336,76 @@ async def fetch_parts(
     if written != info.size:
         raise UpstreamError(f"{source.url}: wrote {written} of {info.size} bytes")
     return written
+
+
+_DONE = object()
+
+
+async def parts_stream(
+    source: RangedSource,
+    info: ObjectInfo,
+    *,
+    part_size: int = DEFAULT_PART_SIZE,
+    parallel: int = DEFAULT_PARALLEL,
+    retries: int = DEFAULT_PART_RETRIES,
+    backoff: float = DEFAULT_BACKOFF,
+    initial: AsyncIterator[bytes] | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> AsyncIterator[bytes]:
+    """:func:`fetch_parts` as an async iterator of in-order chunks (for a tee loop).
+
+    The iterator ends cleanly only after all ``info.size`` bytes were yielded; any
+    failure (a part that kept failing, :class:`ObjectChanged`) is raised from it.
+    Closing the iterator early cancels the part requests.
+    """
+    queue: asyncio.Queue = asyncio.Queue(maxsize=4)
+
+    async def sink(data: bytes) -> None:
+        await queue.put(data)
+
+    async def run() -> None:
+        try:
+            await fetch_parts(
+                source,
+                info,
+                sink,
+                part_size=part_size,
+                parallel=parallel,
+                retries=retries,
+                backoff=backoff,
+                initial=initial,
+            )
+        except Exception as exc:  # handed to the consumer
+            await queue.put(exc)
+            raise
+        await queue.put(_DONE)
+
+    task = asyncio.ensure_future(run())
+    try:
+        while True:
+            item = await queue.get()
+            if item is _DONE:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            if on_bytes is not None:
+                on_bytes(len(item))
+            yield item
+        await task
+    finally:
+        if not task.done():
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+
+
+async def response_chunks(resp: aiohttp.ClientResponse, chunk_size: int = 256 * 1024):
+    """The body of an open aiohttp response as an async generator that closes it."""
+    try:
+        async for chunk in resp.content.iter_chunked(chunk_size):
+            yield chunk
+    finally:
+        resp.close()
 
 
 # --------------------------------------------------------------------------- HTTP source

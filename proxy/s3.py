@@ -27,19 +27,29 @@ import contextlib
 import logging
 import random
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from email.utils import format_datetime
 from typing import Any
+from urllib.parse import unquote
 
 import aiohttp
 
-from proxy.parts import ObjectChanged, ObjectInfo, backoff_delay
+from proxy.parts import (
+    DEFAULT_PARALLEL,
+    DEFAULT_PART_SIZE,
+    ObjectChanged,
+    ObjectInfo,
+    backoff_delay,
+    can_fetch_in_parts,
+    parts_stream,
+)
 from shardcache.errors import (
     BadRequest,
     ConfigError,
     Forbidden,
+    IncompleteDownloadError,
     NotFound,
     ProxyError,
     RangeNotSatisfiable,
@@ -50,6 +60,7 @@ from shardcache.errors import (
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "S3Fetcher",
     "S3Location",
     "S3RangedSource",
     "S3Response",
@@ -116,15 +127,21 @@ class S3Location:
         return f"s3://{self.bucket}/{self.key}"
 
 
-def parse_s3_url(url: str) -> S3Location:
+def parse_s3_url(url: str, *, quoted: bool = False) -> S3Location:
     """Split ``s3://bucket/key`` (the key may be empty or a prefix) into an S3Location.
 
-    Raises BadRequest naming the URL when it is not a valid s3 URL.
+    ``quoted=True`` percent-decodes the key (the proxy's canonical URLs quote each path
+    segment). Raises BadRequest naming the URL when it is not a valid s3 URL.
     """
     if not url.startswith("s3://"):
         raise BadRequest(f"{url!r}: not an s3:// URL")
-    rest = url[len("s3://") :]
+    rest = url[len("s3://") :].partition("?")[0] if quoted else url[len("s3://") :]
     bucket, _, key = rest.partition("/")
+    if quoted:
+        try:
+            key = unquote(key, errors="strict")
+        except UnicodeDecodeError as exc:
+            raise BadRequest(f"{url!r}: key is not valid percent-encoded UTF-8") from exc
     if not _BUCKET_RE.match(bucket):
         raise BadRequest(f"{url!r}: bad bucket name {bucket!r}")
     if "\x00" in key:
@@ -245,6 +262,9 @@ class S3Response:
             raise
         except Exception as exc:
             raise _translate_transport(self.url, exc) from exc
+        finally:
+            if got != self.length:  # abandoned or failed: do not reuse the connection
+                self._body.close()
         if got != self.length:
             raise UpstreamError(f"{self.url}: body ended after {got} of {self.length} bytes")
 
@@ -411,9 +431,11 @@ class S3Upstream:
                     continue
                 raise err from exc
 
-    async def head(self, url: str, *, if_match: str | None = None) -> ObjectInfo:
+    async def head(
+        self, url: str, *, if_match: str | None = None, quoted: bool = False
+    ) -> ObjectInfo:
         """HEAD ``s3://bucket/key``: size, ETag, Last-Modified, Content-Type."""
-        loc = parse_s3_url(url)
+        loc = parse_s3_url(url, quoted=quoted)
         params: dict[str, Any] = {"Bucket": loc.bucket, "Key": loc.key}
         if if_match:
             params["IfMatch"] = if_match
@@ -431,13 +453,16 @@ class S3Upstream:
         url: str,
         range: tuple[int, int | None] | str | None = None,  # noqa: A002 - HTTP's name
         if_match: str | None = None,
+        *,
+        quoted: bool = False,
     ) -> S3Response:
         """GET ``s3://bucket/key``, optionally a byte range and pinned to an ETag.
 
-        ``range`` is ``(first, last_inclusive_or_None)`` or a Range header value. The
-        returned response streams; close it when done.
+        ``range`` is ``(first, last_inclusive_or_None)`` or a Range header value;
+        ``quoted`` as in :func:`parse_s3_url`. The returned response streams; close it
+        when done.
         """
-        loc = parse_s3_url(url)
+        loc = parse_s3_url(url, quoted=quoted)
         params: dict[str, Any] = {"Bucket": loc.bucket, "Key": loc.key}
         header = format_range(range)
         if header:
@@ -481,18 +506,23 @@ class S3Upstream:
 class S3RangedSource:
     """One S3 object as a :class:`proxy.parts.RangedSource` for parallel part fetches."""
 
-    def __init__(self, s3: S3Upstream, url: str, chunk_size: int = 256 * 1024) -> None:
+    def __init__(
+        self, s3: S3Upstream, url: str, chunk_size: int = 256 * 1024, *, quoted: bool = False
+    ) -> None:
         self.s3 = s3
         self.url = url
         self.chunk_size = chunk_size
+        self.quoted = quoted
 
     async def stat(self) -> ObjectInfo:
         """HEAD the object."""
-        return await self.s3.head(self.url)
+        return await self.s3.head(self.url, quoted=self.quoted)
 
     async def read_range(self, start: int, end: int, etag: str | None) -> AsyncIterator[bytes]:
         """Bytes ``[start, end)`` with ``If-Match: etag``."""
-        resp = await self.s3.open(self.url, range=(start, end - 1), if_match=etag)
+        resp = await self.s3.open(
+            self.url, range=(start, end - 1), if_match=etag, quoted=self.quoted
+        )
         async with resp:
             if resp.start != start or resp.length != end - start:
                 raise UpstreamError(
@@ -500,3 +530,133 @@ class S3RangedSource:
                 )
             async for chunk in resp.iter_chunks(self.chunk_size):
                 yield chunk
+
+
+class S3Fetcher:
+    """Opens ``s3://`` URLs for the proxy's download loop, shaped like ``proxy.fetch.Fetcher``.
+
+    :meth:`open` returns a ``proxy.fetch.UpstreamBody`` once S3 has answered. Objects
+    larger than ``part_size`` are fetched as ``parallel`` ranged parts pinned to the
+    ETag, delivered in order; smaller ones stream from the first GET, resumed with
+    ``Range`` + ``If-Match`` after a mid-body failure (``retries`` times). URLs are the
+    proxy's canonical ones: each key segment percent-encoded.
+    """
+
+    def __init__(
+        self,
+        s3: S3Upstream,
+        *,
+        part_size: int = DEFAULT_PART_SIZE,
+        parallel: int = DEFAULT_PARALLEL,
+        retries: int = 3,
+        retry_backoff: float = 0.5,
+        chunk_size: int = 1 << 20,
+        observe: Callable[[str], None] | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        self.s3 = s3
+        self.part_size = part_size
+        self.parallel = parallel
+        self.retries = retries
+        self.retry_backoff = retry_backoff
+        self.chunk_size = chunk_size
+        self.observe = observe or (lambda outcome: None)
+        self.on_bytes = on_bytes
+
+    async def start(self) -> S3Fetcher:
+        """Start the underlying S3 client."""
+        await self.s3.start()
+        return self
+
+    async def close(self) -> None:
+        """Close the underlying S3 client."""
+        await self.s3.close()
+
+    async def open(self, url: str):  # -> proxy.fetch.UpstreamBody
+        """GET ``url``; return its metadata and a body iterator. Raises ProxyError."""
+        from proxy.fetch import UpstreamBody
+
+        try:
+            resp = await self.s3.open(url, quoted=True)
+        except UpstreamTimeout:
+            self.observe("timeout")
+            raise
+        except NotFound:
+            self.observe("not_found")
+            raise
+        except ProxyError:
+            self.observe("error")
+            raise
+        self.observe("ok")
+        info = resp.info
+        body = UpstreamBody(
+            url=url,
+            size=info.size,
+            etag=info.etag,
+            last_modified=info.last_modified,
+            content_type=info.content_type,
+        )
+        first = resp.iter_chunks(self.chunk_size)
+        if can_fetch_in_parts(info, self.part_size):
+            source = S3RangedSource(self.s3, url, self.chunk_size, quoted=True)
+            body._iter = parts_stream(
+                source,
+                info,
+                part_size=self.part_size,
+                parallel=self.parallel,
+                retries=self.retries,
+                backoff=self.retry_backoff,
+                initial=first,
+                on_bytes=self.on_bytes,
+            )
+        else:
+            body._iter = self._resuming(url, info, first)
+        state = {"closed": False}
+
+        def close() -> None:
+            if not state["closed"]:
+                state["closed"] = True
+                resp._body.close()
+
+        body._close = close
+        return body
+
+    async def _resuming(
+        self, url: str, info: ObjectInfo, first: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
+        pos = 0
+        attempt = 0
+        stream = first
+        size = info.size or 0
+        while True:
+            try:
+                async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                    async for chunk in stream:
+                        pos += len(chunk)
+                        if self.on_bytes is not None:
+                            self.on_bytes(len(chunk))
+                        yield chunk
+                return
+            except (UpstreamError, NotFound, Forbidden) as exc:
+                if isinstance(exc, (ObjectChanged, NotFound, Forbidden)) or attempt >= self.retries:
+                    self.observe("aborted")
+                    raise IncompleteDownloadError(url, pos, info.size) from exc
+                attempt += 1
+                delay = backoff_delay(attempt - 1, self.retry_backoff, rand=random.random())
+                log.info(
+                    "%s failed at byte %d (%s); resume %d in %.2fs", url, pos, exc, attempt, delay
+                )
+                await asyncio.sleep(delay)
+                try:
+                    resp = await self.s3.open(
+                        url, range=(pos, size - 1), if_match=info.etag, quoted=True
+                    )
+                except ProxyError as exc2:
+                    self.observe("aborted")
+                    raise IncompleteDownloadError(url, pos, info.size) from exc2
+                if resp.start != pos:
+                    await resp.aclose()
+                    self.observe("aborted")
+                    raise IncompleteDownloadError(url, pos, info.size) from exc
+                self.observe("resumed")
+                stream = resp.iter_chunks(self.chunk_size)

@@ -271,3 +271,62 @@ async def test_timeout_and_connection_refused(throttling_front):
         with pytest.raises(UpstreamError) as ei:
             await s3.open(SMALL)
         assert ei.value.status_hint == 502 and not isinstance(ei.value, UpstreamTimeout)
+
+
+# ----------------------------------------------------------------- parts and the fetcher
+
+
+async def test_fetcher_streams_large_object_in_parts(s3):
+    from proxy.s3 import S3Fetcher
+
+    outcomes: list[str] = []
+    counted: list[int] = []
+    fetcher = S3Fetcher(
+        s3, part_size=1024 * 1024, parallel=3, observe=outcomes.append, on_bytes=counted.append
+    )
+    body = await fetcher.open(f"s3://{BUCKET}/shards/medium.tar")
+    data = OBJECTS["shards/medium.tar"]
+    assert (body.size, body.content_type) == (len(data), body.content_type)
+    assert body.etag and body.last_modified
+    got = b"".join([c async for c in body.chunks()])
+    body.close()
+    assert got == data and sum(counted) == len(data) and outcomes == ["ok"]
+
+
+async def test_fetcher_small_object_and_quoted_key(s3):
+    from proxy.s3 import S3Fetcher
+
+    fetcher = S3Fetcher(s3, part_size=1024 * 1024)
+    body = await fetcher.open(f"s3://{BUCKET}/shards/dir/x%20one+two.tar")
+    assert b"".join([c async for c in body.chunks()]) == OBJECTS["shards/dir/x one+two.tar"]
+    body.close()
+    with pytest.raises(NotFound):
+        await fetcher.open(f"s3://{BUCKET}/shards/absent.tar")
+
+
+async def test_s3_object_replaced_between_parts(s3, boto, tmp_path):
+    from proxy.parts import FileSink, fetch_parts
+    from proxy.s3 import S3RangedSource
+
+    key = "replace/obj.bin"
+    old = bytes(range(256)) * (12 * 1024)  # 3 MiB
+    boto.put_object(Bucket=BUCKET, Key=key, Body=old)
+    src = S3RangedSource(s3, f"s3://{BUCKET}/{key}")
+    info = await src.stat()
+
+    class Replacing:
+        url = src.url
+
+        async def read_range(self, start, end, etag):
+            if start > 0:
+                await asyncio.to_thread(
+                    boto.put_object, Bucket=BUCKET, Key=key, Body=b"N" * len(old)
+                )
+            async for chunk in src.read_range(start, end, etag):
+                yield chunk
+
+    path = tmp_path / "x.part"
+    with open(path, "wb") as f, pytest.raises(ObjectChanged):
+        await fetch_parts(Replacing(), info, FileSink(f), part_size=1024 * 1024, parallel=1)
+    got = path.read_bytes()
+    assert len(got) == 1024 * 1024 and got == old[: len(got)]
