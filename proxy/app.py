@@ -63,6 +63,18 @@ FETCHER = web.AppKey("fetcher", Fetcher)
 INFLIGHT = web.AppKey("inflight", Inflight)
 RUNTIME = web.AppKey("runtime", dict)
 
+_RequestKey = getattr(web, "RequestKey", None)  # aiohttp >= 3.12
+
+
+def _rkey(name: str, t: type) -> Any:
+    return _RequestKey(name, t) if _RequestKey is not None else f"shardcache.{name}"
+
+
+T_START = _rkey("start", float)
+T_BYTES = _rkey("bytes", int)
+T_RESP = _rkey("resp", web.StreamResponse)
+T_ABORTED = _rkey("aborted", bool)
+
 ADMIN_ROUTES = {
     "/metrics": "GET, HEAD",
     "/-/healthz": "GET, HEAD",
@@ -171,8 +183,8 @@ def _error_response(
 @web.middleware
 async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
     start = time.monotonic()
-    request["sc_start"] = start
-    request["sc_bytes"] = 0
+    request[T_START] = start
+    request[T_BYTES] = 0
     resp: web.StreamResponse | None = None
     note = ""
     try:
@@ -191,16 +203,16 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
             resp = _error_response(502, f"upstream failed: {exc}")
         except ConnectionError:
             note = " client-gone"
-            resp = request.get("sc_resp")
+            resp = request.get(T_RESP)
             if resp is None:
                 raise
-        if request.get("sc_aborted"):
+        if request.get(T_ABORTED):
             note = " aborted"
         return resp
     finally:
         status = resp.status if resp is not None else 500
         cache = (resp.headers.get("X-Cache") if resp is not None else None) or "NONE"
-        nbytes = request["sc_bytes"]
+        nbytes = request[T_BYTES]
         if resp is not None and not resp.prepared and isinstance(resp, web.Response):
             nbytes = 0 if request.method == "HEAD" else len(resp.body or b"")
         duration = time.monotonic() - start
@@ -220,7 +232,7 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
 
 def _abort_client(request: web.Request) -> None:
     """Break the client connection so a truncated body cannot look like a clean end."""
-    request["sc_aborted"] = True
+    request[T_ABORTED] = True
     transport = request.transport
     if transport is not None:
         transport.abort()
@@ -259,6 +271,8 @@ async def _shard(request: web.Request) -> web.StreamResponse:
             if dl is None:
                 dl = inflight.start(url)
                 cache = "MISS"
+        if dl.verified:
+            cache = "HIT"  # every byte is local already; only the commit is pending
         try:
             return await _serve_download(request, dl, cache)
         finally:
@@ -324,13 +338,13 @@ async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse |
         _prepare_headers(resp, entry.size, brange, entry.content_type)
         offset = brange.start if brange else 0
         count = brange.length if brange else entry.size
-        request["sc_resp"] = resp
+        request[T_RESP] = resp
         await resp.prepare(request)
         if request.method == "HEAD" or count == 0:
             await resp.write_eof()
             return resp
         m = request.app[METRICS]
-        m.ttfb.labels(cache="HIT").observe(time.monotonic() - request["sc_start"])
+        m.ttfb.labels(cache="HIT").observe(time.monotonic() - request[T_START])
         await _send_file(request, resp, fobj, offset, count)
         await resp.write_eof()
         return resp
@@ -348,7 +362,7 @@ async def _send_file(
     if request.app[RUNTIME]["sendfile"]:
         try:
             await loop.sendfile(transport, fobj, offset, count, fallback=False)
-            request["sc_bytes"] += count
+            request[T_BYTES] += count
             return
         except (NotImplementedError, RuntimeError):
             pass
@@ -361,7 +375,7 @@ async def _send_file(
             return
         await resp.write(data)
         pos += len(data)
-        request["sc_bytes"] += len(data)
+        request[T_BYTES] += len(data)
 
 
 async def _serve_download(request: web.Request, dl: Download, cache: str) -> web.StreamResponse:
@@ -369,12 +383,13 @@ async def _serve_download(request: web.Request, dl: Download, cache: str) -> web
     if dl.state == "bypass":
         return await _serve_bypass(request, dl)
     headers = _base_headers(cache, dl.etag, dl.last_modified)
-    cond, brange = _plan(request, dl.size, dl.etag, dl.last_modified)
+    size = dl.known_size
+    cond, brange = _plan(request, size, dl.etag, dl.last_modified)
     if cond is not None:
         return _not_modified(cond, headers)
     resp = web.StreamResponse(headers=headers)
-    _prepare_headers(resp, dl.size, brange, dl.content_type)
-    request["sc_resp"] = resp
+    _prepare_headers(resp, size, brange, dl.content_type)
+    request[T_RESP] = resp
     await resp.prepare(request)
     if request.method == "HEAD":
         await resp.write_eof()
@@ -382,14 +397,14 @@ async def _serve_download(request: web.Request, dl: Download, cache: str) -> web
     m = request.app[METRICS]
 
     def first_byte() -> None:
-        m.ttfb.labels(cache=cache).observe(time.monotonic() - request["sc_start"])
+        m.ttfb.labels(cache=cache).observe(time.monotonic() - request[T_START])
 
     async def write(data: bytes) -> None:
         await resp.write(data)
-        request["sc_bytes"] += len(data)
+        request[T_BYTES] += len(data)
 
     start = brange.start if brange else 0
-    end = brange.end + 1 if brange else dl.size
+    end = brange.end + 1 if brange else size
     try:
         await dl.stream(write, start, end, first_byte)
     except DownloadFailed as exc:
@@ -413,7 +428,7 @@ async def _serve_bypass(request: web.Request, dl: Download) -> web.StreamRespons
             return _not_modified(cond, headers)
         resp = web.StreamResponse(headers=headers)
         _prepare_headers(resp, meta.size, brange, meta.content_type)
-        request["sc_resp"] = resp
+        request[T_RESP] = resp
         await resp.prepare(request)
         if body is None:
             await resp.write_eof()
@@ -433,10 +448,10 @@ async def _serve_bypass(request: web.Request, dl: Download) -> web.StreamRespons
                     if first:
                         first = False
                         request.app[METRICS].ttfb.labels(cache="BYPASS").observe(
-                            time.monotonic() - request["sc_start"]
+                            time.monotonic() - request[T_START]
                         )
                     await resp.write(piece)
-                    request["sc_bytes"] += len(piece)
+                    request[T_BYTES] += len(piece)
                 if hi is not None and pos >= hi:
                     break
         except (IncompleteDownloadError, ProxyError) as exc:

@@ -94,6 +94,13 @@ class Download:
         await self._changed.wait()
 
     @property
+    def known_size(self) -> int | None:
+        """The object's size: from Content-Length, or once every byte is in."""
+        if self.size is not None:
+            return self.size
+        return self.written if self.verified else None
+
+    @property
     def finished(self) -> bool:
         return self.state in ("done", "failed", "bypass")
 
@@ -168,7 +175,7 @@ class Download:
                 )
             stop = avail if end is None else min(avail, end)
             n = min(READ_CHUNK, stop - pos)
-            last = (end is not None and pos + n == end and end == self.size) or (
+            last = (end is not None and pos + n == end and end == self.known_size) or (
                 end is None and self.state != "streaming" and pos + n == self.written
             )
             if last:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from shardcache.errors import CacheError, IncompleteDownloadError
+from shardcache.urls import shard_uuid
 
 __all__ = [
     "EvictionPolicy",
@@ -63,17 +64,6 @@ PART_SUFFIX = ".part"
 DEL_SUFFIX = ".del"
 STALE_AGE = 24 * 3600.0  # a .part or reservation older than this is stale whatever its pid
 BUSY_TIMEOUT_MS = 60_000
-
-
-def _shard_uuid(url: str) -> str:
-    # TODO(single definition): replaced by shardcache.urls.shard_uuid once available.
-    return str(uuid.uuid3(uuid.NAMESPACE_URL, url))
-
-
-try:  # pragma: no cover - depends on which modules are present
-    from shardcache.urls import shard_uuid
-except ImportError:  # pragma: no cover
-    shard_uuid = _shard_uuid
 
 
 class _Rollback(Exception):

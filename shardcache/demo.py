@@ -1,0 +1,149 @@
+"""``shardcache demo``: see the cache at work on this machine, no internet needed.
+
+The library demo writes a few tar shards to a temporary directory, serves them from a
+local HTTP origin on 127.0.0.1, and reads them through :func:`shardcache.cache_shards`
+twice: the first pass downloads every shard once (and caches it), the second is served
+from the cache without touching the origin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import random
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+__all__ = ["register", "library_demo", "make_shards"]
+
+
+def make_shards(
+    directory: Path, shards: int, samples: int, *, seed: int = 0, size: int = 2048
+) -> list[Path]:
+    """Write ``shards`` tar files of ``samples`` samples each (``.txt`` + ``.bin``)."""
+    rng = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for s in range(shards):
+        path = directory / f"demo-{s:06d}.tar"
+        with tarfile.open(path, "w") as tf:
+            for i in range(samples):
+                key = f"sample{s:06d}_{i:06d}"
+                for ext, data in (
+                    ("txt", f"sample {i} of shard {s}".encode()),
+                    ("bin", rng.randbytes(rng.randint(size // 2, size))),
+                ):
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    tf.addfile(info, io.BytesIO(data))
+        paths.append(path)
+    return paths
+
+
+@contextmanager
+def _origin(directory: Path) -> Iterator[tuple[str, collections.Counter]]:
+    """A local HTTP server for ``directory``; yields (base URL, request counter)."""
+    requests: collections.Counter[str] = collections.Counter()
+
+    class Handler(SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server naming
+            requests[self.path] += 1
+            super().do_GET()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(Handler, directory=str(directory)))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.daemon = True
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", requests
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def library_demo(
+    shards: int = 8, samples: int = 250, workdir: str | Path | None = None, passes: int = 2
+) -> int:
+    """Run the library demo and print what happened; returns the exit code (0)."""
+    from shardcache.cachestream import cache_shards
+    from shardcache.store import Store
+    from shardcache.tariterators import group_by_keys, tar_file_expander
+
+    with tempfile.TemporaryDirectory(prefix="shardcache-demo-") as tmp:
+        root = Path(workdir) if workdir is not None else Path(tmp)
+        origin_dir, cache_dir = root / "origin", root / "cache"
+        paths = make_shards(origin_dir, shards, samples)
+        total = sum(p.stat().st_size for p in paths)
+        print(f"made {shards} shards x {samples} samples ({total / 1e6:.1f} MB) in {origin_dir}")
+        with _origin(origin_dir) as (base, requests):
+            urls = [f"{base}/{p.name}" for p in paths]
+            print(f"origin: {base}/demo-{{000000..{shards - 1:06d}}}.tar")
+            print(f"cache:  {cache_dir}")
+            for n in range(1, passes + 1):
+                before = sum(requests.values())
+                hits_before = _hits(cache_dir)
+                start = time.perf_counter()
+                count = 0
+                stream = cache_shards(urls, cache_dir=cache_dir)
+                for _sample in group_by_keys(tar_file_expander(stream)):
+                    count += 1
+                elapsed = time.perf_counter() - start
+                hits = _hits(cache_dir) - hits_before
+                fetched = sum(requests.values()) - before
+                print(
+                    f"pass {n}: {count} samples in {elapsed:.3f} s = "
+                    f"{count / elapsed:,.0f} samples/s; origin requests: {fetched}, "
+                    f"cache hits: {hits}"
+                )
+        stats = Store(cache_dir).stats()
+        print(f"cache holds {stats['entries']} shards, {stats['bytes'] / 1e6:.1f} MB")
+    return 0
+
+
+def _hits(cache_dir: Path) -> int:
+    from shardcache.store import Store
+
+    if not cache_dir.exists():
+        return 0
+    store = Store(cache_dir)
+    try:
+        return sum(e.hits for e in store.entries())
+    finally:
+        store.close()
+
+
+def _run(args: argparse.Namespace) -> int:
+    return library_demo(shards=args.shards, samples=args.samples, workdir=args.dir)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``demo`` subcommand."""
+    parser = subparsers.add_parser(
+        "demo",
+        help="show the cache at work on this machine (no internet needed)",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+    )
+    parser.add_argument(
+        "--library",
+        action="store_true",
+        help="run the in-process library demo (cache_shards over a local HTTP origin)",
+    )
+    parser.add_argument("--shards", type=int, default=8, help="number of shards (default 8)")
+    parser.add_argument("--samples", type=int, default=250, help="samples per shard (default 250)")
+    parser.add_argument(
+        "--dir", default=None, help="keep the shards and the cache here (default: a temp dir)"
+    )
+    parser.set_defaults(func=_run)

@@ -1,0 +1,237 @@
+"""Shard URLs: naming, brace expansion, shard lists and rewriting for a shardcache proxy.
+
+Everything here is pure string work: no I/O, no network. The only environment variable,
+``SHARDCACHE_PROXY``, is read by :func:`proxied` when it is called without ``proxy=``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+
+import braceexpand
+
+from shardcache.errors import ShardcacheError
+
+__all__ = [
+    "ProxyURLError",
+    "shard_uuid",
+    "guess_shard",
+    "expand_urls",
+    "shardlist",
+    "proxied",
+]
+
+PROXY_ENV = "SHARDCACHE_PROXY"
+
+_SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
+
+
+class ProxyURLError(ShardcacheError, ValueError):
+    """A URL, proxy address or upstream spec that :func:`proxied` cannot rewrite."""
+
+
+def shard_uuid(path: str) -> str:
+    """Return the stable cache name of a shard: ``str(uuid.uuid3(uuid.NAMESPACE_URL, path))``.
+
+    Use the full URL: two URLs with the same base name get different names.
+    """
+    return str(uuid.uuid3(uuid.NAMESPACE_URL, path))
+
+
+def guess_shard(path: str) -> str:
+    """Return the last path component of ``path`` (a URL or file name), query stripped.
+
+    >>> guess_shard("https://host/data/shard-000001.tar?X-Amz-Signature=abc")
+    'shard-000001.tar'
+    """
+    return path.split("?", 1)[0].rsplit("/", 1)[-1]
+
+
+def _expand_one(url: str) -> list[str]:
+    result: list[str] = []
+    for part in url.split("::"):
+        result.extend(braceexpand.braceexpand(part))
+    return result
+
+
+def expand_urls(urls: str | Iterable[str]) -> list[str]:
+    """Expand a shard spec into a list of URLs.
+
+    A string may hold several specs separated by ``::`` (as webdataset accepts); each is
+    brace-expanded (``shard-{000..009}.tar``). An iterable of strings is expanded element
+    by element. Unlike webdataset, ``WDS_*`` environment variables are not substituted.
+    """
+    if isinstance(urls, str):
+        return _expand_one(urls)
+    result: list[str] = []
+    for url in urls:
+        if not isinstance(url, str):
+            raise TypeError(f"shard URLs must be strings, got {type(url).__name__}: {url!r}")
+        result.extend(_expand_one(url))
+    return result
+
+
+def shardlist(
+    urls: str | Iterable[str], *, shuffle: bool = False, seed: int | None = None
+) -> Iterator[dict[str, str]]:
+    """Yield ``dict(url=...)`` for each shard of ``urls`` (see :func:`expand_urls`).
+
+    With ``shuffle=True`` the order is shuffled by ``random.Random(seed)`` (a fixed
+    ``seed`` gives a reproducible order), like webdataset's ``SimpleShardList``.
+    """
+    expanded = expand_urls(urls)
+    if shuffle:
+        random.Random(seed).shuffle(expanded)
+    for url in expanded:
+        yield dict(url=url)
+
+
+# ---------------------------------------------------------------------------
+# proxied(): rewriting URLs to go through a shardcache proxy
+
+
+def _parse_upstreams(upstream: str | Sequence[str] | None) -> list[tuple[str, str]]:
+    """Parse ``--upstream`` specs into ``(name, base)`` pairs (name ``""`` for unnamed)."""
+    if upstream is None:
+        return []
+    specs = [upstream] if isinstance(upstream, str) else list(upstream)
+    rules: list[tuple[str, str]] = []
+    for spec in specs:
+        if not isinstance(spec, str):
+            raise ProxyURLError(f"upstream: expected a string, got {spec!r}")
+        name, sep, rest = spec.partition("=")
+        if sep and _NAME_RE.match(name) and _SCHEME_RE.match(rest):
+            base = rest
+        else:
+            name, base = "", spec
+        if not _SCHEME_RE.match(base):
+            raise ProxyURLError(f"upstream {spec!r}: expected URL or NAME=URL with an absolute URL")
+        rules.append((name, base.rstrip("/")))
+    names = [n for n, _ in rules]
+    if names.count("") > 1:
+        raise ProxyURLError(f"upstream: at most one unnamed upstream URL, got {specs!r}")
+    return rules
+
+
+def _proxy_base(proxy: str | None) -> str:
+    if proxy is None:
+        proxy = os.environ.get(PROXY_ENV)
+        if not proxy:
+            raise ProxyURLError(f"no proxy given: pass proxy='http://host:port' or set {PROXY_ENV}")
+    if not _SCHEME_RE.match(proxy):
+        proxy = "http://" + proxy
+    if not proxy.lower().startswith(("http://", "https://")):
+        raise ProxyURLError(f"proxy {proxy!r}: expected an http:// or https:// address")
+    return proxy.rstrip("/")
+
+
+def _match_rule(url: str, rules: list[tuple[str, str]]) -> tuple[str, str] | None:
+    """The upstream rule whose base is the longest prefix of ``url`` (at a ``/``)."""
+    best: tuple[str, str] | None = None
+    for name, base in rules:
+        if url.startswith(base + "/") and (best is None or len(base) > len(best[1])):
+            best = (name, base)
+    return best
+
+
+def _map_prefix(url: str, base: str, rules: list[tuple[str, str]]) -> str:
+    """Map one URL (or the fixed prefix of a pattern) to its proxy URL."""
+    rule = _match_rule(url, rules)
+    if rule is not None:
+        name, ubase = rule
+        rest = url[len(ubase) + 1 :]
+        if name:
+            return f"{base}/{name}/{rest}"
+        first = rest.split("/", 1)[0]
+        if any(first == n for n, _ in rules if n) or _SCHEME_RE.match(rest):
+            # the proxy would read /<first>/... as another upstream's path
+            raise ProxyURLError(
+                f"{url!r}: its short path /{rest} under upstream {ubase!r} would reach the "
+                "proxy as a named upstream's path or an absolute URL; name the upstream"
+            )
+        return f"{base}/{rest}"
+    if _SCHEME_RE.match(url):
+        return f"{base}/{url}"
+    raise ProxyURLError(f"{url!r}: only absolute URLs (scheme://host/path) can be proxied")
+
+
+def _fixed_prefix(pattern: str) -> str:
+    """The part of a brace pattern before its first ``{`` or escape: shared by all expansions."""
+    cut = len(pattern)
+    for ch in "{\\":
+        i = pattern.find(ch)
+        if i != -1:
+            cut = min(cut, i)
+    return pattern[:cut]
+
+
+def _map_pattern(pattern: str, base: str, rules: list[tuple[str, str]]) -> str:
+    """Rewrite one ``::``-free spec, keeping its braces when the mapping allows it."""
+    if "{" not in pattern and "\\" not in pattern:
+        return _map_prefix(pattern, base, rules)
+    fixed = _fixed_prefix(pattern)
+    # The fixed prefix decides the rule for every expansion only if no upstream base could
+    # still match differently once the braces are filled in, and the prefix already shows
+    # which rule applies (an upstream base and its "/", or an absolute URL's scheme).
+    ambiguous = any(
+        (ubase + "/").startswith(fixed) and len(ubase) + 1 > len(fixed) for _, ubase in rules
+    )
+    rule = _match_rule(fixed, rules)
+    decided = rule is not None or _SCHEME_RE.match(fixed)
+    if rule is not None and not rule[0] and any(n for n, _ in rules):
+        # an unnamed upstream's short path must not start like a named one: that needs
+        # the whole first path segment, which braces may still change
+        if "/" not in fixed[len(rule[1]) + 1 :]:
+            decided = False
+    if decided and not ambiguous:
+        return _map_prefix(fixed, base, rules) + pattern[len(fixed) :]
+    # Fall back to mapping every expansion (still one string, as a ``::`` list).
+    return "::".join(_map_prefix(u, base, rules) for u in braceexpand.braceexpand(pattern))
+
+
+def proxied(
+    urls: str | Sequence[str],
+    proxy: str | None = None,
+    *,
+    upstream: str | Sequence[str] | None = None,
+) -> str | list[str]:
+    """Rewrite a URL, a list of URLs or a brace pattern to go through a shardcache proxy.
+
+    ``proxy`` is the proxy's address (``http://127.0.0.1:8080``; ``host:port`` is taken as
+    http). It defaults to the ``SHARDCACHE_PROXY`` environment variable, read when called.
+
+    ``upstream`` repeats the proxy's ``--upstream`` flags (a string or a list of them), so
+    URLs get the proxy's short paths:
+
+    - ``URL``: the proxy serves ``/<path>`` from ``URL/<path>``, so
+      ``URL/<path>`` becomes ``<proxy>/<path>``;
+    - ``NAME=URL``: the proxy serves ``/NAME/<path>`` from ``URL/<path>``, so
+      ``URL/<path>`` becomes ``<proxy>/NAME/<path>``.
+
+    The longest matching upstream wins. Any other absolute URL ``scheme://host/path``
+    becomes ``<proxy>/scheme://host/path``, the proxy's absolute-URL form, which it serves
+    only for hosts named with ``--allow-host``. ``s3://bucket/key`` follows the same rules
+    (an upstream may be ``s3://bucket``). Local paths cannot be proxied.
+
+    A string stays a string: ``::`` lists keep their parts, and a brace pattern keeps its
+    braces when its fixed prefix decides the mapping (otherwise its expansions are listed
+    with ``::``). So ``webdataset.WebDataset(proxied("https://h/d/s-{000..009}.tar"))``
+    works unmodified. A list gives a list.
+
+    Raises :class:`ProxyURLError` (a ``ValueError``) naming what cannot be rewritten.
+    """
+    base = _proxy_base(proxy)
+    rules = _parse_upstreams(upstream)
+    if isinstance(urls, str):
+        return "::".join(_map_pattern(part, base, rules) for part in urls.split("::"))
+    result: list[str] = []
+    for url in urls:
+        if not isinstance(url, str):
+            raise ProxyURLError(f"shard URLs must be strings, got {url!r}")
+        result.append("::".join(_map_pattern(p, base, rules) for p in url.split("::")))
+    return result
