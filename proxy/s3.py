@@ -349,6 +349,7 @@ class S3Upstream:
         self.backoff = backoff
         self._stack: contextlib.AsyncExitStack | None = None
         self._client: Any = None
+        self._start_lock: asyncio.Lock | None = None
 
     async def start(self) -> S3Upstream:
         """Resolve credentials and open the connection pool."""
@@ -392,6 +393,16 @@ class S3Upstream:
             await stack.aclose()
             raise ConfigError("--s3-endpoint-url", str(exc)) from exc
         self._stack = stack
+        return self
+
+    async def ensure_started(self) -> S3Upstream:
+        """Start on first use (safe to call concurrently)."""
+        if self._client is None:
+            if self._start_lock is None:
+                self._start_lock = asyncio.Lock()
+            async with self._start_lock:
+                if self._client is None:
+                    await self.start()
         return self
 
     async def close(self) -> None:
@@ -577,6 +588,7 @@ class S3Fetcher:
         from proxy.fetch import UpstreamBody
 
         try:
+            await self.s3.ensure_started()
             resp = await self.s3.open(url, quoted=True)
         except UpstreamTimeout:
             self.observe("timeout")

@@ -476,6 +476,7 @@ class S3Front:
         loc = parse_s3_url(base)
         base_prefix = join_key(loc.key, "") if loc.key.strip("/") else ""
         params = list_params(query, base_prefix)
+        await self.s3.ensure_started()
         result = await self.s3.list_objects_v2(loc.bucket, **params)
         body = render_list_v2(bucket, query, result, base_prefix)
         return web.Response(body=body, content_type="application/xml", headers=headers)
