@@ -353,8 +353,13 @@ class S3Upstream:
 
     async def start(self) -> S3Upstream:
         """Resolve credentials and open the connection pool."""
-        from aiobotocore.config import AioConfig
-        from aiobotocore.session import AioSession
+        try:
+            from aiobotocore.config import AioConfig
+            from aiobotocore.session import AioSession
+        except ImportError as exc:
+            raise ConfigError(
+                "--upstream", "s3:// upstreams need aiobotocore: pip install 'shardcache[s3]'"
+            ) from exc
         from botocore import UNSIGNED
         from botocore.exceptions import ProfileNotFound
 
