@@ -1,0 +1,500 @@
+"""An S3-compatible front for the proxy, so S3 clients can read through the cache.
+
+Each named upstream is a bucket: with ``--upstream shards=s3://bucket/prefix``, S3 clients
+pointed at the proxy (``endpoint_url``, path-style) see bucket ``shards``. The front is an
+aiohttp middleware (:meth:`S3Front.middleware`) placed inside the proxy's own:
+
+- ``GET|HEAD /{bucket}/{key}`` is authenticated, stripped of S3-only query parameters
+  (``x-id``, ``response-*``) and handed on to the proxy's normal shard handler (cache,
+  Range, 206 clipping); its errors come back as S3 XML error bodies for S3 clients.
+- ``HEAD /{bucket}``, ``GET /{bucket}?location``, ``GET /`` (ListBuckets) and
+  ``GET /{bucket}?list-type=2&...`` (ListObjectsV2, passed through to the upstream S3 and
+  re-rendered with keys relative to the front's bucket) are answered here.
+- Requests may be anonymous, or signed with SigV4 (header or presigned query) using the
+  configured key pair; signatures are recomputed with botocore's ``S3SigV4Auth`` and
+  compared in constant time. With no key pair configured every request is accepted.
+
+Pure policy (request classification, list parameters, XML rendering) is in I/O-free
+functions, tested directly.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hmac
+import logging
+import re
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+from xml.etree import ElementTree as ET
+
+from aiohttp import web
+
+from proxy.s3 import S3Upstream, join_key, parse_s3_url
+from shardcache.errors import ProxyError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "S3Error",
+    "S3Front",
+    "classify_request",
+    "list_params",
+    "render_error",
+    "render_list_v2",
+    "verify_sigv4",
+]
+
+S3_NS = "http://s3.amazonaws.com/doc/2006-03-01/"
+MAX_SKEW = dt.timedelta(minutes=15)
+MAX_PRESIGN_EXPIRES = 7 * 24 * 3600
+# Query parameters of GetObject/HeadObject that do not change the bytes served.
+IGNORABLE_OBJECT_PARAMS = frozenset(
+    {
+        "x-id",
+        "response-content-type",
+        "response-content-disposition",
+        "response-content-encoding",
+        "response-content-language",
+        "response-cache-control",
+        "response-expires",
+    }
+)
+PRESIGN_PARAMS = frozenset(
+    {
+        "X-Amz-Algorithm",
+        "X-Amz-Credential",
+        "X-Amz-Date",
+        "X-Amz-Expires",
+        "X-Amz-SignedHeaders",
+        "X-Amz-Signature",
+        "X-Amz-Security-Token",
+    }
+)
+STATUS_CODES = {
+    400: "InvalidRequest",
+    403: "AccessDenied",
+    404: "NoSuchKey",
+    405: "MethodNotAllowed",
+    412: "PreconditionFailed",
+    416: "InvalidRange",
+    500: "InternalError",
+    501: "NotImplemented",
+    502: "BadGateway",
+    503: "ServiceUnavailable",
+    504: "GatewayTimeout",
+}
+
+
+class S3Error(Exception):
+    """An S3 error to answer with: HTTP status, S3 code and a message."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+# --------------------------------------------------------------------------- policy
+
+
+@dataclass(frozen=True)
+class FrontRequest:
+    """What an incoming request asks of the front."""
+
+    kind: str  # "service", "bucket", "object" or "other"
+    bucket: str = ""
+    key: str = ""  # still percent-encoded as sent
+
+
+def classify_request(raw_path: str, buckets: Iterable[str]) -> FrontRequest:
+    """Classify a raw request path (no query) against the front's bucket names."""
+    path = raw_path.partition("?")[0]
+    if path == "/":
+        return FrontRequest("service")
+    bucket, slash, key = path[1:].partition("/")
+    if bucket not in set(buckets):
+        return FrontRequest("other")
+    if not key:
+        return FrontRequest("bucket", bucket)
+    return FrontRequest("object", bucket, key)
+
+
+def is_s3_request(headers: Mapping[str, str], query: Mapping[str, str]) -> bool:
+    """Whether the request comes from an S3 SDK (and so wants S3 XML errors)."""
+    auth = headers.get("Authorization", "")
+    if auth.startswith(("AWS4-HMAC-SHA256", "AWS ")) or "X-Amz-Algorithm" in query:
+        return True
+    return any(k.lower().startswith(("x-amz-", "amz-sdk-")) for k in headers)
+
+
+def _int_param(query: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    raw = query.get(name)
+    if raw is None or raw == "":
+        return default
+    if not raw.isdigit():
+        raise S3Error(400, "InvalidArgument", f"{name} must be a non-negative integer")
+    return max(lo, min(hi, int(raw)))
+
+
+def list_params(query: Mapping[str, str], base_prefix: str) -> dict[str, Any]:
+    """botocore ListObjectsV2 parameters for a front listing of a bucket mapped to
+    ``base_prefix`` (``""`` or ``"data/"``) in the upstream bucket."""
+    encoding = query.get("encoding-type")
+    if encoding not in (None, "", "url"):
+        raise S3Error(400, "InvalidArgument", f"invalid encoding-type {encoding!r}")
+    params: dict[str, Any] = {
+        "Prefix": base_prefix + query.get("prefix", ""),
+        "MaxKeys": _int_param(query, "max-keys", 1000, 0, 1000),
+    }
+    if query.get("delimiter"):
+        params["Delimiter"] = query["delimiter"]
+    if query.get("continuation-token"):
+        params["ContinuationToken"] = query["continuation-token"]
+    if query.get("start-after"):
+        params["StartAfter"] = base_prefix + query["start-after"]
+    return params
+
+
+def _strip(base: str, key: str) -> str:
+    return key[len(base) :] if base and key.startswith(base) else key
+
+
+def _s3_time(value: Any) -> str:
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is not None:
+            value = value.astimezone(dt.timezone.utc)
+        return value.strftime("%Y-%m-%dT%H:%M:%S.") + f"{value.microsecond // 1000:03d}Z"
+    return str(value)
+
+
+def _xml(root: ET.Element) -> bytes:
+    return b'<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="utf-8")
+
+
+def _sub(parent: ET.Element, tag: str, text: Any) -> ET.Element:
+    el = ET.SubElement(parent, tag)
+    el.text = str(text)
+    return el
+
+
+def render_list_v2(
+    bucket: str, query: Mapping[str, str], result: Mapping[str, Any], base_prefix: str
+) -> bytes:
+    """ListBucketResult XML for the front bucket from a botocore ListObjectsV2 result,
+    with keys and common prefixes made relative to ``base_prefix``."""
+    url_enc = query.get("encoding-type") == "url"
+
+    def enc(s: str) -> str:
+        return quote(s, safe="/") if url_enc else s
+
+    root = ET.Element("ListBucketResult", xmlns=S3_NS)
+    _sub(root, "Name", bucket)
+    _sub(root, "Prefix", enc(query.get("prefix", "")))
+    if query.get("delimiter"):
+        _sub(root, "Delimiter", enc(query["delimiter"]))
+    if query.get("start-after"):
+        _sub(root, "StartAfter", enc(query["start-after"]))
+    contents = result.get("Contents", []) or []
+    prefixes = result.get("CommonPrefixes", []) or []
+    _sub(root, "KeyCount", len(contents) + len(prefixes))
+    _sub(root, "MaxKeys", list_params(query, "")["MaxKeys"])
+    if url_enc:
+        _sub(root, "EncodingType", "url")
+    _sub(root, "IsTruncated", "true" if result.get("IsTruncated") else "false")
+    if query.get("continuation-token"):
+        _sub(root, "ContinuationToken", query["continuation-token"])
+    if result.get("NextContinuationToken"):
+        _sub(root, "NextContinuationToken", result["NextContinuationToken"])
+    for obj in contents:
+        c = ET.SubElement(root, "Contents")
+        _sub(c, "Key", enc(_strip(base_prefix, obj["Key"])))
+        _sub(c, "LastModified", _s3_time(obj.get("LastModified", "")))
+        _sub(c, "ETag", obj.get("ETag", ""))
+        _sub(c, "Size", obj.get("Size", 0))
+        _sub(c, "StorageClass", obj.get("StorageClass", "STANDARD"))
+    for p in prefixes:
+        cp = ET.SubElement(root, "CommonPrefixes")
+        _sub(cp, "Prefix", enc(_strip(base_prefix, p["Prefix"])))
+    return _xml(root)
+
+
+def render_error(code: str, message: str, resource: str, request_id: str) -> bytes:
+    """An S3 ``<Error>`` body."""
+    root = ET.Element("Error")
+    _sub(root, "Code", code)
+    _sub(root, "Message", " ".join(message.split()))
+    _sub(root, "Resource", resource)
+    _sub(root, "RequestId", request_id)
+    return _xml(root)
+
+
+_AUTH_RE = re.compile(
+    r"^AWS4-HMAC-SHA256\s+Credential=([^,\s]+)\s*,\s*SignedHeaders=([^,\s]+)\s*,"
+    r"\s*Signature=([0-9a-fA-F]+)\s*$"
+)
+
+
+def _parse_amz_date(value: str) -> dt.datetime:
+    try:
+        return dt.datetime.strptime(value, "%Y%m%dT%H%M%SZ").replace(tzinfo=dt.timezone.utc)
+    except (TypeError, ValueError):
+        raise S3Error(403, "AccessDenied", "missing or malformed X-Amz-Date") from None
+
+
+def verify_sigv4(
+    method: str,
+    raw_path: str,
+    query: Sequence[tuple[str, str]],
+    headers: Mapping[str, str] | Any,
+    access_key: str,
+    secret_key: str,
+    now: dt.datetime,
+) -> None:
+    """Check a SigV4-signed request (Authorization header or presigned query) against the
+    key pair, recomputing the signature with botocore's S3 signer. Raises S3Error.
+
+    ``raw_path`` is the path as sent (percent-encoded, no query); ``query`` the decoded
+    query pairs; ``headers`` supports ``get`` and ``getall`` (aiohttp's CIMultiDict) or is
+    a plain mapping.
+    """
+    from botocore.auth import S3SigV4Auth, S3SigV4QueryAuth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    qd = dict(query)
+    presigned = "X-Amz-Algorithm" in qd
+    if presigned:
+        if qd.get("X-Amz-Algorithm") != "AWS4-HMAC-SHA256":
+            raise S3Error(400, "AuthorizationQueryParametersError", "unsupported algorithm")
+        credential = qd.get("X-Amz-Credential", "")
+        signed = qd.get("X-Amz-SignedHeaders", "")
+        signature = qd.get("X-Amz-Signature", "")
+        amz_date = qd.get("X-Amz-Date", "")
+    else:
+        m = _AUTH_RE.match(headers.get("Authorization", ""))
+        if not m:
+            raise S3Error(400, "AuthorizationHeaderMalformed", "malformed Authorization header")
+        credential, signed, signature = m.groups()
+        amz_date = headers.get("X-Amz-Date", "")
+    parts = credential.split("/")
+    if len(parts) != 5 or parts[3] != "s3" or parts[4] != "aws4_request":
+        raise S3Error(400, "AuthorizationHeaderMalformed", "malformed credential scope")
+    key_id, day, region = parts[0], parts[1], parts[2]
+    if not hmac.compare_digest(key_id.encode(), access_key.encode()):
+        raise S3Error(403, "InvalidAccessKeyId", "the access key ID is not known to this proxy")
+    when = _parse_amz_date(amz_date)
+    if day != amz_date[:8]:
+        raise S3Error(403, "SignatureDoesNotMatch", "credential date does not match X-Amz-Date")
+    if presigned:
+        expires = qd.get("X-Amz-Expires", "")
+        if not expires.isdigit() or int(expires) > MAX_PRESIGN_EXPIRES:
+            raise S3Error(403, "AuthorizationQueryParametersError", "bad X-Amz-Expires")
+        if now > when + dt.timedelta(seconds=int(expires)) or when - now > MAX_SKEW:
+            raise S3Error(403, "AccessDenied", "request has expired")
+    elif abs(now - when) > MAX_SKEW:
+        raise S3Error(403, "RequestTimeTooSkewed", "the request time is too far from ours")
+
+    signed_names = [h for h in signed.lower().split(";") if h]
+    if "host" not in signed_names:
+        raise S3Error(403, "AccessDenied", "the Host header must be signed")
+    req_headers: dict[str, str] = {}
+    for name in signed_names:
+        if hasattr(headers, "getall"):
+            values = headers.getall(name, [])
+        else:
+            values = [v for k, v in headers.items() if k.lower() == name]
+        if not values:
+            raise S3Error(403, "SignatureDoesNotMatch", f"signed header {name} is missing")
+        req_headers[name] = ",".join(values)
+    host = req_headers["host"]
+    params = [(k, v) for k, v in query if k != "X-Amz-Signature"]
+    request = AWSRequest(method=method.upper(), url=f"http://{host}{raw_path}", headers=req_headers)
+    request.params = params  # the canonical query string is built from the decoded pairs
+    request.context["timestamp"] = amz_date
+    creds = Credentials(key_id, secret_key)
+    signer_cls = S3SigV4QueryAuth if presigned else S3SigV4Auth
+    signer = signer_cls(creds, "s3", region)
+    if not params:
+        request.params = {}
+    canonical = signer.canonical_request(request)
+    expected = signer.signature(signer.string_to_sign(request, canonical), request)
+    if not hmac.compare_digest(expected.encode(), signature.lower().encode()):
+        log.debug("SigV4 mismatch; canonical request was:\n%s", canonical)
+        raise S3Error(
+            403,
+            "SignatureDoesNotMatch",
+            "the request signature we calculated does not match the signature you provided; "
+            "check the key pair given with --s3-front-access-key/--s3-front-secret-key",
+        )
+
+
+# --------------------------------------------------------------------------- middleware
+
+
+@dataclass
+class S3Front:
+    """The S3 front: ``buckets`` maps front bucket names to upstream base URLs.
+
+    ``s3`` is the upstream S3 client used for listings (assign it once started). With
+    ``access_key``/``secret_key`` set, requests must be signed with them unless
+    ``allow_anonymous``; with neither set, every request is accepted.
+    """
+
+    buckets: Mapping[str, str]
+    s3: S3Upstream | None = None
+    access_key: str | None = None
+    secret_key: str | None = None
+    allow_anonymous: bool | None = None
+    region: str = "us-east-1"
+    clock: Any = field(default=lambda: dt.datetime.now(dt.timezone.utc))
+
+    def __post_init__(self) -> None:
+        if bool(self.access_key) != bool(self.secret_key):
+            from shardcache.errors import ConfigError
+
+            raise ConfigError(
+                "--s3-front-access-key",
+                "give both --s3-front-access-key and --s3-front-secret-key, or neither",
+            )
+        if self.allow_anonymous is None:
+            self.allow_anonymous = not self.access_key
+
+    # -- entry point
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """aiohttp middleware: S3 routes, authentication and XML errors for front buckets."""
+        target = classify_request(request.raw_path, self.buckets)
+        s3ish = is_s3_request(request.headers, request.query)
+        if target.kind == "other" or (target.kind == "service" and not s3ish):
+            return await handler(request)
+        request_id = uuid.uuid4().hex[:16].upper()
+        resource = request.path
+        try:
+            self.authenticate(request)
+            if target.kind == "service":
+                return self._list_buckets(request)
+            if target.kind == "bucket":
+                return await self._bucket(request, target.bucket)
+            return await self._object(request, handler, s3ish)
+        except S3Error as exc:
+            return self._error(request, exc.status, exc.code, exc.message, resource, request_id)
+        except ProxyError as exc:
+            if not s3ish:
+                raise
+            code = STATUS_CODES.get(exc.status_hint, "InternalError")
+            return self._error(request, exc.status_hint, code, str(exc), resource, request_id)
+        except web.HTTPException as exc:
+            if not s3ish or exc.status < 400:
+                raise
+            code = STATUS_CODES.get(exc.status, "InternalError")
+            msg = exc.text or exc.reason
+            return self._error(request, exc.status, code, msg, resource, request_id)
+
+    def _error(
+        self, request: web.Request, status: int, code: str, message: str, resource: str, rid: str
+    ) -> web.Response:
+        headers = {"x-amz-request-id": rid}
+        body = render_error(code, message, resource, rid)
+        if request.method == "HEAD":
+            return web.Response(status=status, headers=headers)
+        return web.Response(
+            status=status, body=body, content_type="application/xml", headers=headers
+        )
+
+    # -- authentication
+
+    def authenticate(self, request: web.Request) -> None:
+        """Accept or reject the request (raises S3Error 403/400)."""
+        signed = request.headers.get("Authorization", "").startswith("AWS") or any(
+            k in request.query for k in ("X-Amz-Algorithm", "AWSAccessKeyId")
+        )
+        if not self.access_key:
+            return
+        if not signed:
+            if self.allow_anonymous:
+                return
+            raise S3Error(403, "AccessDenied", "anonymous access is not allowed; sign requests")
+        if request.headers.get("Authorization", "").startswith("AWS ") or (
+            "AWSAccessKeyId" in request.query
+        ):
+            raise S3Error(400, "InvalidRequest", "SigV2 is not supported; use SigV4 (s3v4)")
+        verify_sigv4(
+            request.method,
+            request.raw_path.partition("?")[0],
+            list(request.query.items()),
+            request.headers,
+            self.access_key,
+            self.secret_key or "",
+            self.clock(),
+        )
+
+    # -- service and bucket level
+
+    def _list_buckets(self, request: web.Request) -> web.Response:
+        if request.method not in ("GET", "HEAD"):
+            raise S3Error(405, "MethodNotAllowed", "this front is read-only")
+        root = ET.Element("ListAllMyBucketsResult", xmlns=S3_NS)
+        owner = ET.SubElement(root, "Owner")
+        _sub(owner, "ID", "shardcache")
+        _sub(owner, "DisplayName", "shardcache")
+        bl = ET.SubElement(root, "Buckets")
+        for name in sorted(self.buckets):
+            b = ET.SubElement(bl, "Bucket")
+            _sub(b, "Name", name)
+            _sub(b, "CreationDate", "1970-01-01T00:00:00.000Z")
+        return web.Response(body=_xml(root), content_type="application/xml")
+
+    async def _bucket(self, request: web.Request, bucket: str) -> web.StreamResponse:
+        headers = {"x-amz-bucket-region": self.region}
+        if request.method == "HEAD":
+            return web.Response(status=200, headers=headers)
+        if request.method != "GET":
+            raise S3Error(405, "MethodNotAllowed", "this front is read-only")
+        q = request.query
+        if "location" in q:
+            root = ET.Element("LocationConstraint", xmlns=S3_NS)
+            root.text = "" if self.region == "us-east-1" else self.region
+            return web.Response(body=_xml(root), content_type="application/xml", headers=headers)
+        if q.get("list-type") == "2":
+            return await self._list_v2(bucket, q, headers)
+        raise S3Error(501, "NotImplemented", "only ListObjectsV2 (list-type=2) is supported")
+
+    async def _list_v2(
+        self, bucket: str, query: Mapping[str, str], headers: dict[str, str]
+    ) -> web.Response:
+        base = self.buckets[bucket]
+        if not base.startswith("s3://"):
+            raise S3Error(501, "NotImplemented", f"bucket {bucket} is not backed by S3")
+        if self.s3 is None:
+            raise S3Error(503, "ServiceUnavailable", "the S3 client is not running")
+        loc = parse_s3_url(base)
+        base_prefix = join_key(loc.key, "") if loc.key.strip("/") else ""
+        params = list_params(query, base_prefix)
+        await self.s3.ensure_started()
+        result = await self.s3.list_objects_v2(loc.bucket, **params)
+        body = render_list_v2(bucket, query, result, base_prefix)
+        return web.Response(body=body, content_type="application/xml", headers=headers)
+
+    # -- objects
+
+    async def _object(self, request: web.Request, handler: Any, s3ish: bool) -> web.StreamResponse:
+        if request.method not in ("GET", "HEAD"):
+            raise S3Error(405, "MethodNotAllowed", "this front is read-only (GET and HEAD)")
+        if s3ish and request.query_string:
+            keep = []
+            for k, v in request.query.items():
+                if k in IGNORABLE_OBJECT_PARAMS or k in PRESIGN_PARAMS:
+                    continue
+                if k in ("versionId", "partNumber"):
+                    raise S3Error(501, "NotImplemented", f"{k} is not supported by this front")
+                keep.append((k, v))
+            if keep:
+                raise S3Error(400, "InvalidArgument", f"unsupported query parameter {keep[0][0]!r}")
+            request = request.clone(rel_url=request.rel_url.with_query(None))
+        return await handler(request)
