@@ -6,10 +6,13 @@ them alike); the figures are medians over the rounds.
     python bench/dbcache.py [--samples 5000] [--bytes 10000] [--rounds 5]
 
 - fill: ``DBCache(path, N, source)`` consuming the source (encoding included) vs raw
-  ``sqlite3`` ``executemany`` of the same, already encoded, blobs into the same schema in
+  ``sqlite3`` ``executemany`` of the same, already encoded, rows into the same schema in
   one transaction.
-- read: iterating a full DBCache (decoding included) vs raw ``SELECT data`` of the same
-  blobs, vs reading the same samples from local tar shards with the tar pipeline.
+- read: iterating a full DBCache (decoding included, samples built) vs a raw ``SELECT`` of
+  the same columns holding the same bytes (``raw_read``: url, key, fields, data, payload,
+  exactly what DBCache reads), vs a raw ``SELECT`` of one blob per sample holding all its
+  fields (``raw_read_1blob``: the sample encoded as one ``safe_encode`` record), vs
+  reading the same samples from local tar shards with the tar pipeline.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dbcache import DBCache, safe_encode  # noqa: E402
+from dbcache import DBCache, safe_encode, safe_encode_row  # noqa: E402
 
 
 def make_samples(n: int, nbytes: int, shards: int) -> list[dict]:
@@ -79,13 +82,29 @@ def raw_open(path: str) -> sqlite3.Connection:
     return conn
 
 
-def raw_fill(path: str, rows: list[tuple[str, str, bytes]]) -> None:
+def raw_fill(path: str, rows: list[tuple]) -> None:
+    """The DBCache schema, filled with the rows DBCache writes, in one transaction."""
+    conn = raw_open(path)
+    conn.execute(
+        "CREATE TABLE samples (id INTEGER PRIMARY KEY, url TEXT NOT NULL,"
+        " key TEXT NOT NULL, fields BLOB NOT NULL, data BLOB NOT NULL, payload BLOB)"
+    )
+    conn.execute("CREATE UNIQUE INDEX samples_ident ON samples (url, key)")
+    conn.execute("BEGIN")
+    conn.executemany(
+        "INSERT INTO samples (url, key, fields, data, payload) VALUES (?, ?, ?, ?, ?)", rows
+    )
+    conn.execute("COMMIT")
+    conn.close()
+
+
+def raw_fill_1blob(path: str, rows: list[tuple[str, str, bytes]]) -> None:
+    """One blob per sample (its ``safe_encode`` record)."""
     conn = raw_open(path)
     conn.execute(
         "CREATE TABLE samples (id INTEGER PRIMARY KEY, url TEXT NOT NULL,"
         " key TEXT NOT NULL, data BLOB NOT NULL)"
     )
-    conn.execute("CREATE UNIQUE INDEX samples_ident ON samples (url, key)")
     conn.execute("BEGIN")
     conn.executemany("INSERT INTO samples (url, key, data) VALUES (?, ?, ?)", rows)
     conn.execute("COMMIT")
@@ -93,6 +112,15 @@ def raw_fill(path: str, rows: list[tuple[str, str, bytes]]) -> None:
 
 
 def raw_read(path: str) -> int:
+    conn = raw_open(path)
+    n = 0
+    for row in conn.execute("SELECT url, key, fields, data, payload FROM samples ORDER BY id"):
+        n += len(row) > 0
+    conn.close()
+    return n
+
+
+def raw_read_1blob(path: str) -> int:
     conn = raw_open(path)
     n = 0
     for (data,) in conn.execute("SELECT data FROM samples ORDER BY id"):
@@ -118,10 +146,19 @@ def main() -> int:
 
     n = args.samples
     samples = make_samples(n, args.bytes, args.shards)
-    rows = [(s["__url__"], s["__key__"], safe_encode(s)) for s in samples]
+    rows = [(s["__url__"], s["__key__"], *safe_encode_row(s)) for s in samples]
+    blobs = [(s["__url__"], s["__key__"], safe_encode(s)) for s in samples]
     reader_name, tarfile_samples = tar_reader()
     times: dict[str, list[float]] = {
-        k: [] for k in ("dbcache_fill", "raw_fill", "dbcache_read", "raw_read", "tar_read")
+        k: []
+        for k in (
+            "dbcache_fill",
+            "raw_fill",
+            "dbcache_read",
+            "raw_read",
+            "raw_read_1blob",
+            "tar_read",
+        )
     }
     with tempfile.TemporaryDirectory(prefix="bench-dbcache-") as tmp:
         root = Path(tmp)
@@ -129,6 +166,8 @@ def main() -> int:
         for r in range(args.rounds):
             db = str(root / f"dbcache-{r}.db")
             raw = str(root / f"raw-{r}.db")
+            raw1 = str(root / f"raw1-{r}.db")
+            raw_fill_1blob(raw1, blobs)
 
             def fill_db(db=db):
                 for _ in DBCache(db, n, samples, verbose=False):
@@ -144,6 +183,7 @@ def main() -> int:
 
             times["dbcache_read"].append(timed(read_db))
             times["raw_read"].append(timed(lambda raw=raw: raw_read(raw)))
+            times["raw_read_1blob"].append(timed(lambda raw1=raw1: raw_read_1blob(raw1)))
 
             def read_tar():
                 got = sum(1 for _ in tarfile_samples(iter([{"url": p} for p in shard_paths])))
@@ -151,7 +191,7 @@ def main() -> int:
                     raise RuntimeError(f"read {got} of {n} from tar")
 
             times["tar_read"].append(timed(read_tar))
-            for path in (db, raw):
+            for path in (db, raw, raw1):
                 for suffix in ("", "-wal", "-shm"):
                     if os.path.exists(path + suffix):
                         os.unlink(path + suffix)
@@ -165,6 +205,7 @@ def main() -> int:
         "rates_samples_per_s": {k: round(v) for k, v in rate.items()},
         "fill_vs_raw": round(rate["dbcache_fill"] / rate["raw_fill"], 3),
         "read_vs_raw": round(rate["dbcache_read"] / rate["raw_read"], 3),
+        "read_vs_raw_1blob": round(rate["dbcache_read"] / rate["raw_read_1blob"], 3),
         "read_vs_tar": round(rate["dbcache_read"] / rate["tar_read"], 3),
     }
     if args.json:
@@ -175,6 +216,7 @@ def main() -> int:
         print(f"  {name:13s} {value:10.0f} samples/s")
     print(f"  fill vs raw sqlite3 executemany: {result['fill_vs_raw']:.2f}x (target >= 0.5x)")
     print(f"  read vs raw sqlite3 SELECT:      {result['read_vs_raw']:.2f}x (target >= 0.8x)")
+    print(f"  read vs raw SELECT of one blob:  {result['read_vs_raw_1blob']:.2f}x")
     print(f"  read vs tar shards ({reader_name}): {result['read_vs_tar']:.2f}x")
     return 0
 

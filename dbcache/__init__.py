@@ -9,11 +9,13 @@ from dbcache._codec import (
     CODECS,
     Codec,
     CodecError,
+    RowDecodeError,
     get_codec,
     pickle_decode,
     pickle_encode,
     safe_decode,
     safe_encode,
+    safe_encode_row,
 )
 from dbcache._db import FORMAT_VERSION, DBCache, DBCacheError, get_uuid, sample_ident
 
@@ -25,9 +27,11 @@ __all__ = [
     "FORMAT_VERSION",
     "Codec",
     "CodecError",
+    "RowDecodeError",
     "CODECS",
     "get_codec",
     "safe_encode",
+    "safe_encode_row",
     "safe_decode",
     "pickle_encode",
     "pickle_decode",

@@ -33,12 +33,14 @@ import io
 import pickle
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 __all__ = [
     "CodecError",
+    "RowDecodeError",
     "Codec",
     "CODECS",
     "get_codec",
@@ -47,6 +49,9 @@ __all__ = [
     "pickle_encode",
     "pickle_decode",
     "SAFE_HEADER",
+    "ROW_HEADER",
+    "safe_encode_row",
+    "safe_decode_rows",
 ]
 
 SAFE_HEADER = b"SC\x01"
@@ -67,13 +72,33 @@ class CodecError(ValueError):
     """A stored record cannot be decoded (truncated, corrupt or of another codec)."""
 
 
+class RowDecodeError(CodecError):
+    """A database row cannot be decoded; ``url`` and ``key`` are that row's columns."""
+
+    def __init__(self, message: str, url: Any, key: Any) -> None:
+        super().__init__(message)
+        self.url = url
+        self.key = key
+
+
+Row = tuple[bytes, bytes, "bytes | None"]
+
+
 @dataclass(frozen=True)
 class Codec:
-    """A named pair of functions turning a sample into bytes and back."""
+    """How a sample becomes bytes and back.
+
+    ``encode``/``decode`` turn one value into one record. ``encode_row`` turns a sample
+    into the (``fields``, ``data``, ``payload``) columns of a database row, and
+    ``decode_rows`` turns an iterable of (``url``, ``key``, ``fields``, ``data``,
+    ``payload``) rows back into samples (raising :class:`RowDecodeError` for a bad row).
+    """
 
     name: str
     encode: Callable[[Any], bytes]
     decode: Callable[[bytes], Any]
+    encode_row: Callable[[Any], Row]
+    decode_rows: Callable[[Iterable[tuple]], Iterator[Any]]
     trusted_only: bool = False
 
 
@@ -407,9 +432,236 @@ def pickle_decode(data: bytes) -> Any:
         raise CodecError(f"bad pickle record: {exc}") from exc
 
 
+# -- database rows ----------------------------------------------------------------------
+#
+# A sample is stored as the columns (url, key, fields, data, payload):
+#
+#   fields   ROW_HEADER, then per field: u32 name length, u8 kind, UTF-8 name. Kinds:
+#            0 bytes in data, 1 str in data (UTF-8), 2 other value in data (tagged form),
+#            3 bytes in the payload column, 4 the key column (``__key__``), 5 the url
+#            column (``__url__``). Samples of one data set share one ``fields`` value,
+#            which the reader parses once and then looks up.
+#   data     u64 length of each field stored in data but the last, then those fields'
+#            bytes (the last runs to the end: a sample with one such field, e.g. a class
+#            label beside an image in the payload, needs no parsing at all).
+#   payload  the largest bytes field, or NULL: SQLite hands it back as a bytes object
+#            with no slicing copy in Python.
+
+ROW_HEADER = b"SC\x02"
+_IN_PAYLOAD, _FROM_KEY, _FROM_URL = 3, 4, 5
+_NONE_TYPE = type(None)
+_PLANS: dict[bytes, tuple] = {}
+
+
+def safe_encode_row(sample: Any) -> Row:
+    """The (``fields``, ``data``, ``payload``) columns of ``sample`` (a dict with str keys).
+
+    Raises ``TypeError`` naming the field and type of a value the safe codec does not store.
+    """
+    if type(sample) is not dict:
+        raise TypeError(f"a sample is a dict, got {_describe(sample)}")
+    big, bigsize = None, -1
+    for name, value in sample.items():
+        if type(value) is bytes and len(value) > bigsize:
+            big, bigsize = name, len(value)
+    table = [ROW_HEADER]
+    lengths: list[int] = []
+    values: list[bytes] = []
+    for name, value in sample.items():
+        if type(name) is not str:
+            raise TypeError(
+                f"field {name!r}: dict key of type {_describe(name)}; the safe codec stores"
+                " dicts with str keys only"
+            )
+        kind = type(value)
+        if name == big:
+            code = _IN_PAYLOAD
+        elif kind is str and name == "__key__":
+            code = _FROM_KEY
+        elif kind is str and name == "__url__":
+            code = _FROM_URL
+        else:
+            if kind is bytes:
+                vdata, code = value, _BYTES
+            elif kind is str:
+                vdata, code = value.encode("utf-8", "surrogatepass"), _STR
+            else:
+                parts: list[bytes] = []
+                _encode(value, parts, repr(name), 1)
+                vdata, code = b"".join(parts), _VALUE
+            lengths.append(len(vdata))
+            values.append(vdata)
+        kdata = name.encode("utf-8", "surrogatepass")
+        table.append(_KEYHEAD.pack(len(kdata), code))
+        table.append(kdata)
+    data = struct.pack(f"<{len(lengths) - 1}Q", *lengths[:-1]) if len(lengths) > 1 else b""
+    data += b"".join(values)
+    return b"".join(table), data, None if big is None else sample[big]
+
+
+def _row_plan(fields: Any) -> tuple:
+    """Parse a ``fields`` column into a decoding plan (cached per distinct value)."""
+    if type(fields) is not bytes:
+        raise CodecError(f"the fields column holds a {_describe(fields)}, not bytes")
+    if not fields.startswith(ROW_HEADER):
+        hint = " (it looks like a pickle)" if fields[:1] == b"\x80" else ""
+        raise CodecError(f"not a safe-codec row: fields start with {fields[:8]!r}{hint}")
+    keys: list[str] = []
+    kinds: list[int] = []
+    pos = len(ROW_HEADER)
+    while pos < len(fields):
+        if pos + _KEYHEAD.size > len(fields):
+            raise CodecError("row truncated in the field table")
+        klen, kind = _KEYHEAD.unpack_from(fields, pos)
+        pos += _KEYHEAD.size
+        if pos + klen > len(fields):
+            raise CodecError("row truncated in the field table")
+        try:
+            name = fields[pos : pos + klen].decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError as exc:
+            raise CodecError(f"bad UTF-8 field name: {exc}") from exc
+        pos += klen
+        if kind > _FROM_URL:
+            raise CodecError(f"field {name!r}: unknown kind {kind}")
+        if kind == _FROM_KEY and name != "__key__":
+            raise CodecError(f"field {name!r}: only '__key__' comes from the key column")
+        if kind == _FROM_URL and name != "__url__":
+            raise CodecError(f"field {name!r}: only '__url__' comes from the url column")
+        if name in keys:
+            raise CodecError(f"field {name!r} appears twice in the field table")
+        keys.append(name)
+        kinds.append(kind)
+    if kinds.count(_IN_PAYLOAD) > 1:
+        raise CodecError("more than one field in the payload column")
+    if not keys:
+        raise CodecError("empty field table")
+    # values are gathered as [url, key, payload, inline fields...]; perm picks them in order
+    perm = []
+    inline = 0
+    for kind in kinds:
+        if kind == _FROM_URL:
+            perm.append(0)
+        elif kind == _FROM_KEY:
+            perm.append(1)
+        elif kind == _IN_PAYLOAD:
+            perm.append(2)
+        else:
+            perm.append(3 + inline)
+            inline += 1
+    if len(perm) == 1:
+        only = perm[0]
+
+        def getter(values: list, only: int = only) -> tuple:
+            return (values[only],)
+    else:
+        getter = itemgetter(*perm)
+    post = tuple((k, kind) for k, kind in zip(keys, kinds, strict=True) if kind in (_STR, _VALUE))
+    payload_type = bytes if _IN_PAYLOAD in kinds else _NONE_TYPE
+    lengths = struct.Struct(f"<{max(inline - 1, 0)}Q")
+    plan = (tuple(keys), inline, lengths, getter, payload_type, post)
+    if len(_PLANS) >= _SCHEMA_CACHE_MAX:
+        _PLANS.clear()
+    _PLANS[fields] = plan
+    return plan
+
+
+def _row_problem(row: tuple, plan: tuple) -> str:
+    """Why ``row`` does not match its ``plan`` (the slow path, for the error message)."""
+    url, key, _fields, data, payload = row
+    if type(url) is not str or type(key) is not str:
+        return f"the url/key columns hold {_describe(url)}/{_describe(key)}, not str"
+    if type(payload) is not plan[4]:
+        want = "bytes" if plan[4] is bytes else "NULL"
+        return f"the payload column holds {_describe(payload)}, expected {want}"
+    if type(data) is not bytes:
+        return f"the data column holds a {_describe(data)}, not bytes"
+    hint = " (it looks like a pickle)" if data[:1] == b"\x80" else ""
+    inline, lengths = plan[1], plan[2]
+    if inline == 0:
+        return f"data column holds {len(data)} bytes, expected none{hint}"
+    if len(data) < lengths.size:
+        return f"record truncated in the length table{hint}"
+    end = lengths.size + sum(lengths.unpack_from(data))
+    return f"record truncated (its fields need {end} bytes, it has {len(data)}){hint}"
+
+
+def safe_decode_rows(rows: Iterable[tuple]) -> Iterator[dict]:
+    """Decode (url, key, fields, data, payload) rows written by :func:`safe_encode_row`.
+
+    Raises :class:`RowDecodeError` naming the problem for a damaged row; never pickle.
+    """
+    plans = _PLANS
+    for url, key, fields, data, payload in rows:
+        plan = plans.get(fields) if type(fields) is bytes else None
+        if plan is None:
+            try:
+                plan = _row_plan(fields)
+            except CodecError as exc:
+                raise RowDecodeError(str(exc), url, key) from None
+        keys, inline, lengths, getter, payload_type, post = plan
+        if inline == 1:  # the common case: nothing to parse
+            ok = True
+            values: Any = (url, key, payload, data)
+        elif inline == 0:
+            ok = data == b""
+            values = (url, key, payload)
+        else:
+            ok = type(data) is bytes and len(data) >= lengths.size
+            if ok:
+                values = [url, key, payload]
+                pos = lengths.size
+                for n in lengths.unpack_from(data):
+                    values.append(data[pos : pos + n])
+                    pos += n
+                values.append(data[pos:])
+                ok = pos <= len(data)  # slices past the end come back short
+        if (
+            not ok
+            or type(data) is not bytes
+            or type(payload) is not payload_type
+            or type(key) is not str
+            or type(url) is not str
+        ):
+            raise RowDecodeError(_row_problem((url, key, fields, data, payload), plan), url, key)
+        sample = dict(zip(keys, getter(values)))  # noqa: B905 - same length by construction
+        for name, kind in post:
+            if kind == _STR:
+                try:
+                    sample[name] = sample[name].decode("utf-8", "surrogatepass")
+                except UnicodeDecodeError as exc:
+                    raise RowDecodeError(f"field {name!r}: bad UTF-8: {exc}", url, key) from None
+            else:
+                try:
+                    sample[name] = _decode_value(sample[name], 0)
+                except CodecError as exc:
+                    raise RowDecodeError(f"field {name!r}: {exc}", url, key) from None
+        yield sample
+
+
+def pickle_encode_row(sample: Any) -> Row:
+    """A pickle row: ``fields`` names the codec, ``data`` is the pickle. Trusted files only."""
+    return b"pickle", pickle_encode(sample), None
+
+
+def pickle_decode_rows(rows: Iterable[tuple]) -> Iterator[Any]:
+    """Unpickle rows. DANGEROUS for untrusted files: unpickling can run any code."""
+    for url, key, _fields, data, _payload in rows:
+        try:
+            yield pickle_decode(data)
+        except CodecError as exc:
+            raise RowDecodeError(str(exc), url, key) from None
+
+
 CODECS: dict[str, Codec] = {
-    "safe": Codec("safe", safe_encode, safe_decode),
-    "pickle": Codec("pickle", pickle_encode, pickle_decode, trusted_only=True),
+    "safe": Codec("safe", safe_encode, safe_decode, safe_encode_row, safe_decode_rows),
+    "pickle": Codec(
+        "pickle",
+        pickle_encode,
+        pickle_decode,
+        pickle_encode_row,
+        pickle_decode_rows,
+        trusted_only=True,
+    ),
 }
 
 

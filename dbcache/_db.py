@@ -23,7 +23,7 @@ from typing import Any
 
 import sqlite_utils
 
-from dbcache._codec import CodecError, get_codec
+from dbcache._codec import RowDecodeError, get_codec
 from shardcache.errors import ShardcacheError
 
 __all__ = ["DBCache", "DBCacheError", "get_uuid", "FORMAT_NAME", "FORMAT_VERSION"]
@@ -31,9 +31,11 @@ __all__ = ["DBCache", "DBCacheError", "get_uuid", "FORMAT_NAME", "FORMAT_VERSION
 log = logging.getLogger(__name__)
 
 FORMAT_NAME = "shardcache.dbcache"
-FORMAT_VERSION = 1
+# 2: a sample is the columns (url, key, fields, data, payload), see dbcache._codec
+FORMAT_VERSION = 2
 RESERVED_META = frozenset({"format", "format_version", "codec", "size"})
 SAMPLES = "samples"
+_ROW_COLUMNS = "url, key, fields, data, payload"  # the columns a codec writes and reads
 META = "meta"
 
 
@@ -218,9 +220,16 @@ class DBCache:
         conn.execute("BEGIN IMMEDIATE")
         try:
             db[SAMPLES].create(
-                {"id": int, "url": str, "key": str, "data": bytes},
+                {
+                    "id": int,
+                    "url": str,
+                    "key": str,
+                    "fields": bytes,
+                    "data": bytes,
+                    "payload": bytes,
+                },
                 pk="id",
-                not_null={"url", "key", "data"},
+                not_null={"url", "key", "fields", "data"},
                 if_not_exists=True,
             )
             db[SAMPLES].create_index(
@@ -335,14 +344,22 @@ class DBCache:
         """Total bytes of the stored records."""
         self._need_db()
         return self.conn.execute(
-            f"SELECT coalesce(sum(length(data)), 0) FROM {SAMPLES}"
+            f"SELECT coalesce(sum(length(fields) + length(data) + coalesce(length(payload), 0)),"
+            f" 0) FROM {SAMPLES}"
         ).fetchone()[0]
 
-    def _decode(self, rowid: int, data: bytes) -> Any:
+    def _row_error(self, exc: RowDecodeError) -> DBCacheError:
+        """The error for a row that does not decode, naming the file and the row."""
+        where = f"__key__ {exc.key!r} of __url__ {exc.url!r}"
         try:
-            return self.codec.decode(data)
-        except CodecError as exc:
-            raise self._fail(f"row {rowid}: {exc}") from exc
+            found = self.conn.execute(
+                f"SELECT id FROM {SAMPLES} WHERE url = ? AND key = ?", (exc.url, exc.key)
+            ).fetchone()
+        except sqlite3.Error:
+            found = None
+        if found is not None:
+            where = f"row {found[0]} ({where})"
+        return self._fail(f"{where}: {exc}")
 
     def dbiter(
         self, *, shuffle: bool | None = None, worker: tuple[int, int] = (0, 1)
@@ -356,16 +373,12 @@ class DBCache:
         shuffle = self.shuffle if shuffle is None else shuffle
         index, nworkers = worker
         conn = self.conn
+        decode_rows = self.codec.decode_rows
         try:
             if not shuffle and nworkers == 1:
-                decode = self.codec.decode
-                rowid = 0
-                cursor = conn.execute(f"SELECT id, data FROM {SAMPLES} ORDER BY id")
-                try:
-                    for rowid, data in cursor:  # noqa: B007 - rowid names a bad row
-                        yield decode(data)
-                except CodecError as exc:
-                    raise self._fail(f"row {rowid}: {exc}") from exc
+                yield from decode_rows(
+                    conn.execute(f"SELECT {_ROW_COLUMNS} FROM {SAMPLES} ORDER BY id")
+                )
                 return
             ids = [r[0] for r in conn.execute(f"SELECT id FROM {SAMPLES} ORDER BY id")]
             if shuffle:
@@ -374,11 +387,15 @@ class DBCache:
             for start in range(0, len(ids), self.batch_size):
                 chunk = ids[start : start + self.batch_size]
                 marks = ",".join("?" * len(chunk))
-                rows = dict(
-                    conn.execute(f"SELECT id, data FROM {SAMPLES} WHERE id IN ({marks})", chunk)
-                )
-                for rowid in chunk:
-                    yield self._decode(rowid, rows[rowid])
+                rows = {
+                    row[0]: row[1:]
+                    for row in conn.execute(
+                        f"SELECT id, {_ROW_COLUMNS} FROM {SAMPLES} WHERE id IN ({marks})", chunk
+                    )
+                }
+                yield from decode_rows([rows[rowid] for rowid in chunk])
+        except RowDecodeError as exc:
+            raise self._row_error(exc) from exc
         except sqlite3.Error as exc:
             raise self._translate(exc) from exc
 
@@ -414,7 +431,7 @@ class DBCache:
             )
         yield from self._fill()
 
-    def _store(self, batch: list[tuple[str, str, bytes]]) -> tuple[list[bool], int]:
+    def _store(self, batch: list[tuple]) -> tuple[list[bool], int]:
         """Insert ``batch`` in one transaction, never past ``size``.
 
         Returns, for each row, whether it is in the file now (inserted, or there already),
@@ -429,7 +446,8 @@ class DBCache:
             if room >= len(batch):
                 before = conn.total_changes
                 conn.executemany(
-                    f"INSERT OR IGNORE INTO {SAMPLES} (url, key, data) VALUES (?, ?, ?)", batch
+                    f"INSERT OR IGNORE INTO {SAMPLES} ({_ROW_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
+                    batch,
                 )
                 held += conn.total_changes - before
                 present = [True] * len(batch)
@@ -437,7 +455,8 @@ class DBCache:
                 for i, row in enumerate(batch):
                     if room > 0:
                         cur = conn.execute(
-                            f"INSERT OR IGNORE INTO {SAMPLES} (url, key, data) VALUES (?, ?, ?)",
+                            f"INSERT OR IGNORE INTO {SAMPLES} ({_ROW_COLUMNS})"
+                            " VALUES (?, ?, ?, ?, ?)",
                             row,
                         )
                         room -= cur.rowcount
@@ -459,9 +478,9 @@ class DBCache:
 
     def _fill(self) -> Iterator[Any]:
         """The filling pass: store and yield source samples until the file is full."""
-        name, size, encode = self.dbname, int(self.size or 0), self.codec.encode
+        name, size, encode = self.dbname, int(self.size or 0), self.codec.encode_row
         seen: set[tuple[str, str]] = set()
-        rows: list[tuple[str, str, bytes]] = []
+        rows: list[tuple] = []
         samples: list[Any] = []
         pending = 0
         held = self.count()
@@ -489,12 +508,12 @@ class DBCache:
                 continue
             seen.add(ident)
             try:
-                blob = encode(sample)
+                fields, data, payload = encode(sample)
             except TypeError as exc:
                 raise TypeError(f"{name}: sample {ident[1]!r} from {ident[0]!r}: {exc}") from None
-            rows.append((ident[0], ident[1], blob))
+            rows.append((ident[0], ident[1], fields, data, payload))
             samples.append(sample)
-            pending += len(blob)
+            pending += len(data) + (0 if payload is None else len(payload))
             if len(rows) >= self.batch_size or pending >= 64 << 20:
                 yield from flush()
                 if self.verbose and time.monotonic() - last_log >= 5.0:

@@ -215,22 +215,23 @@ def test_dataset_handler_skips_a_broken_shard(origin, tmp_path):
     assert Store(tmp_path).get(origin.url("train-000002.tar")) is None
 
 
-def test_dataset_dbcache_hook_builds_dbcache(shards_dir, tmp_path, monkeypatch):
+def test_dataset_dbcache_fills_then_reads_without_the_shards(shards_dir, tmp_path):
+    from dbcache import DBCache
     from shardcache.dataset import ShardDataset
 
-    calls = []
-    fake = type(sys)("dbcache")
-
-    class DBCache:  # stands in for the real class, recording how it is built
-        def __init__(self, fname, size, source=None, **kw):
-            calls.append((fname, size, source, kw))
-
-    fake.DBCache = DBCache
-    monkeypatch.setitem(sys.modules, "dbcache", fake)
-    ds = ShardDataset(str(shards_dir / "train-000000.tar"))
-    result = ds.dbcache(tmp_path / "v.sqlite", 10, shuffle=False)
-    assert isinstance(result, DBCache)
-    assert calls == [(tmp_path / "v.sqlite", 10, ds, {"shuffle": False})]
+    paths = [str(shards_dir / f"train-{s:06d}.tar") for s in range(2)]  # 5 + 6 samples
+    db = tmp_path / "v.sqlite"
+    cache = ShardDataset(paths).dbcache(db, 8, verbose=False)
+    assert isinstance(cache, DBCache)
+    first = list(cache)  # the filling pass reads the shards and stops at the size
+    assert len(first) == 8 and len(cache) == 8
+    assert [s["__key__"] for s in first[:5]] == [f"s000/k{i:04d}" for i in range(5)]
+    assert first[5]["txt"] == b"shard 1 sample 0"
+    for path in paths:
+        Path(path).unlink()
+    second = list(ShardDataset(paths).dbcache(db, 8, verbose=False))
+    assert second == first  # read from the file, the shards are gone
+    assert list(DBCache(db, None)) == first
 
 
 def test_dataset_is_plain_iterable_without_torch(shards_dir):

@@ -4,6 +4,7 @@ import io
 import logging
 import os
 import pickle
+import re
 import sqlite3
 import tarfile
 
@@ -228,13 +229,23 @@ def test_tampered_row_does_not_execute(tmp_path):
     assert proof.exists()  # the payload does run when unpickled
     payload = pickle.dumps({"__key__": "s00001", "x": Payload(str(marker))})
     with sqlite3.connect(path) as conn:
-        conn.execute("UPDATE samples SET data = ? WHERE key = 's00001'", (payload,))
+        conn.execute("UPDATE samples SET fields = ? WHERE key = 's00001'", (payload,))
     cache = DBCache(path, 3)
     with pytest.raises(DBCacheError) as info:
         list(cache)
     text = str(info.value)
-    assert str(path) in text and "row 2" in text and "not a safe-codec record" in text
-    assert "pickle" in text
+    assert str(path) in text and "row 2" in text and "not a safe-codec row" in text
+    assert "'s00001'" in text and "pickle" in text
+    assert not marker.exists()
+    # a pickle in a bytes column is only ever handed back as bytes
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE samples SET fields = (SELECT fields FROM samples WHERE id = 1)")
+        conn.execute("UPDATE samples SET payload = ?, data = ? WHERE id = 2", (payload, payload))
+    with pytest.raises(DBCacheError, match=r"row 2 .*field 'cls'"):
+        list(DBCache(path, 3))  # cls is an int: its tagged form is checked, never unpickled
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE samples SET data = (SELECT data FROM samples WHERE id = 1)")
+    assert [s["jpg"] for s in DBCache(path, 3)][1] == payload
     assert not marker.exists()
     # the meta row can be tampered too: switching the codec to pickle is refused
     with sqlite3.connect(path) as conn:
@@ -248,9 +259,30 @@ def test_truncated_row_names_file_and_row(tmp_path):
     path = tmp_path / "v.db"
     list(DBCache(path, 3, make_samples(3)))
     with sqlite3.connect(path) as conn:
-        conn.execute("UPDATE samples SET data = substr(data, 1, 20) WHERE id = 3")
-    with pytest.raises(DBCacheError, match=r"v\.db: row 3: record truncated"):
+        conn.execute("UPDATE samples SET data = substr(data, 1, 5) WHERE id = 3")
+    with pytest.raises(DBCacheError, match=r"v\.db: row 3 \(__key__ 's00002'.*record truncated"):
         list(DBCache(path, 3))
+
+
+def test_damaged_columns_name_the_problem(tmp_path):
+    path = tmp_path / "v.db"
+    samples = [dict(s, txt="hello", extra=b"xyz") for s in make_samples(3)]
+    list(DBCache(path, 3, samples))
+    assert list(DBCache(path, 3)) == samples
+    cases = [
+        ("payload = NULL", "payload column holds NoneType, expected bytes"),
+        ("data = substr(data, 1, 12)", "record truncated"),
+        ("data = CAST('x' AS TEXT)", "data column holds a str"),
+        ("key = CAST('s00002' AS BLOB)", "url/key columns hold str/bytes"),
+        ("fields = X'534302'", "empty field table"),
+        ("fields = X'53430201000000096b'", "unknown kind 9"),
+    ]
+    for change, message in cases:
+        damaged = tmp_path / "d.db"
+        damaged.write_bytes(path.read_bytes())
+        _sqlite_with(damaged, f"UPDATE samples SET {change} WHERE id = 3")
+        with pytest.raises(DBCacheError, match=r"d\.db: .*" + re.escape(message)):
+            list(DBCache(damaged, 3))
 
 
 def _sqlite_with(path, *statements):
@@ -300,7 +332,8 @@ def test_bad_files(tmp_path, setup, size, message):
 @pytest.mark.parametrize(
     "key, value, message",
     [
-        ("format_version", "2", "unsupported format version '2'"),
+        ("format_version", "1", "unsupported format version '1'"),
+        ("format_version", "3", "unsupported format version '3'"),
         ("size", "many", "bad size in metadata"),
         ("codec", "msgpack", "written with codec 'msgpack'"),
     ],
@@ -337,7 +370,7 @@ def test_metadata(tmp_path):
     cache = DBCache(path, 4)
     assert cache.getmeta("size") == "4"
     assert cache.getmeta("codec") == "safe"
-    assert cache.getmeta("format_version") == "1"
+    assert cache.getmeta("format_version") == "2"
     assert cache.getmeta("missing") is None
     assert cache.getmeta("missing", "d") == "d"
     cache.setmeta("origin", "http://h/val-{0..9}.tar")

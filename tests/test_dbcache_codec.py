@@ -9,7 +9,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dbcache import CodecError, get_codec, pickle_decode, pickle_encode, safe_decode, safe_encode
+from dbcache import (
+    CodecError,
+    RowDecodeError,
+    get_codec,
+    pickle_decode,
+    pickle_encode,
+    safe_decode,
+    safe_encode,
+    safe_encode_row,
+)
+from dbcache._codec import safe_decode_rows
 
 scalars = (
     st.none()
@@ -188,3 +198,40 @@ def test_damaged_sample_records_only_raise_codec_error(sample, data):
             safe_decode(damaged)
         except CodecError:
             pass
+
+
+row_samples = st.fixed_dictionaries(
+    {"__key__": st.text(max_size=16)},
+    optional={
+        "__url__": st.text(max_size=16),
+        "jpg": st.binary(max_size=256),
+        "png": st.binary(max_size=64),
+        "txt": st.text(max_size=16),
+        "cls": st.integers(),
+        "json": values,
+    },
+)
+
+
+@given(row_samples)
+def test_safe_row_round_trip_keeps_values_and_order(sample):
+    fields, data, payload = safe_encode_row(sample)
+    row = (sample.get("__url__", ""), sample["__key__"], fields, data, payload)
+    (back,) = safe_decode_rows([row])
+    assert same(back, sample) and list(back) == list(sample)
+
+
+@given(row_samples, st.data())
+def test_damaged_rows_only_raise_row_decode_error(sample, data):
+    fields, blob, payload = safe_encode_row(sample)
+    column = data.draw(st.sampled_from(["fields", "data"]))
+    target = fields if column == "fields" else blob
+    cut = data.draw(st.integers(0, len(target)))
+    junk = data.draw(st.binary(max_size=8))
+    damaged = target[:cut] + junk
+    row = [sample.get("__url__", ""), sample["__key__"], fields, blob, payload]
+    row[2 if column == "fields" else 3] = damaged
+    try:
+        list(safe_decode_rows([tuple(row)]))
+    except RowDecodeError as exc:
+        assert exc.key == sample["__key__"]
