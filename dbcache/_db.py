@@ -24,7 +24,7 @@ from typing import Any
 import sqlite_utils
 
 from dbcache._codec import RowDecodeError, get_codec
-from shardcache.errors import ShardcacheError
+from shardcache.errors import DBCacheError
 
 __all__ = ["DBCache", "DBCacheError", "get_uuid", "FORMAT_NAME", "FORMAT_VERSION"]
 
@@ -37,10 +37,6 @@ RESERVED_META = frozenset({"format", "format_version", "codec", "size"})
 SAMPLES = "samples"
 _ROW_COLUMNS = "url, key, fields, data, payload"  # the columns a codec writes and reads
 META = "meta"
-
-
-class DBCacheError(ShardcacheError):
-    """A DBCache file cannot be used. The message names the file and the problem."""
 
 
 def get_uuid(data: str | bytes) -> str:

@@ -119,31 +119,33 @@ def _translated(samples: Iterable[dict[str, Any]], urls: list[str]) -> Iterator[
 
 
 class Progress:
-    """A progress bar with tqdm when it is installed, else a log line every few seconds."""
+    """A rich progress bar on a terminal, else a log line every few seconds."""
 
     def __init__(self, total: int, initial: int, enabled: bool) -> None:
         self.total, self.n, self.enabled = total, initial, enabled
-        self.bar = None
+        self.bar: Any = None
         self.last = time.monotonic()
-        if enabled:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                log.info("%d of %d samples held", initial, total)
-            else:
-                self.bar = tqdm(total=total, initial=initial, unit="sample", file=sys.stderr)
+        if enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import Progress as RichProgress
+
+            self.bar = RichProgress(console=Console(stderr=True), transient=False)
+            self.task = self.bar.add_task("samples", total=total, completed=initial)
+            self.bar.start()
+        elif enabled:
+            log.info("%d of %d samples held", initial, total)
 
     def update(self, n: int = 1) -> None:
         self.n += n
         if self.bar is not None:
-            self.bar.update(n)
+            self.bar.update(self.task, advance=n)
         elif self.enabled and time.monotonic() - self.last >= 2.0:
             self.last = time.monotonic()
             log.info("%d of %d samples held", self.n, self.total)
 
     def close(self) -> None:
         if self.bar is not None:
-            self.bar.close()
+            self.bar.stop()
 
 
 def _setup_logging(quiet: bool) -> None:

@@ -99,25 +99,50 @@ def _proxy(upstream: str, cache_dir: Path, cache_size: str) -> Iterator[str]:
 
 
 def _read_pass(label: str, urls: list[str], out: TextIO) -> tuple[int, int, float]:
+    """Read every sample of ``urls``; a rich progress bar on a terminal, lines otherwise."""
     from shardcache.tariterators import tarfile_samples
     from shardcache.urls import shardlist
 
+    bar = None
+    if out.isatty():
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        bar = Progress(
+            TextColumn(f"  {label}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("shards  {task.fields[samples]:,} samples  {task.fields[rate]:,.0f}/s"),
+            console=Console(file=out),
+        )
+        task = bar.add_task(label, total=len(urls), samples=0, rate=0.0)
+        bar.start()
     t0 = time.monotonic()
-    n = nbytes = 0
+    n = nbytes = shard = 0
     current = None
-    for sample in tarfile_samples(shardlist(urls)):
-        n += 1
-        nbytes += sum(len(v) for k, v in sample.items() if not k.startswith("__"))
-        if sample["__url__"] != current:
-            current = sample["__url__"]
-            done = urls.index(current) if current in urls else 0
+    try:
+        for sample in tarfile_samples(shardlist(urls)):
+            n += 1
+            nbytes += sum(len(v) for k, v in sample.items() if not k.startswith("__"))
+            if sample["__url__"] != current:
+                current = sample["__url__"]
+                shard += 1
+                rate = n / max(time.monotonic() - t0, 1e-9)
+                if bar is not None:
+                    bar.update(task, completed=shard - 1, samples=n, rate=rate)
+                else:
+                    print(
+                        f"  {label}: shard {shard}/{len(urls)} {current.rsplit('/', 1)[-1]}"
+                        f"  {n} samples  {rate:,.0f} samples/s",
+                        file=out,
+                        flush=True,
+                    )
+        if bar is not None:
             rate = n / max(time.monotonic() - t0, 1e-9)
-            print(
-                f"  {label}: shard {done + 1}/{len(urls)} {current.rsplit('/', 1)[-1]}"
-                f"  {n} samples  {rate:,.0f} samples/s",
-                file=out,
-                flush=True,
-            )
+            bar.update(task, completed=shard, samples=n, rate=rate)
+    finally:
+        if bar is not None:
+            bar.stop()
     return n, nbytes, time.monotonic() - t0
 
 
