@@ -160,7 +160,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await app[INFLIGHT].stop()
+        # downloads get up to the grace period (at most 10 s) to verify and commit
+        await app[INFLIGHT].stop(finish_within=min(s.grace_period, 10.0))
         await fetcher.close()
         await asyncio.to_thread(store.close)
 

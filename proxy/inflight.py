@@ -234,9 +234,15 @@ class Inflight:
         dl.task = asyncio.get_running_loop().create_task(self._run(dl), name=f"download {url}")
         return dl
 
-    async def stop(self) -> None:
-        """Cancel every download (their partial files are deleted) and wait for them."""
+    async def stop(self, finish_within: float = 10.0) -> None:
+        """Give downloads up to ``finish_within`` seconds to finish (a download whose
+        clients already have every byte is still verifying and committing, and cutting it
+        off would throw that fetch away), then cancel the rest (their partial files are
+        deleted) and wait for them."""
         tasks = [dl.task for dl in self._downloads.values() if dl.task is not None]
+        if tasks and finish_within > 0:
+            _, pending = await asyncio.wait(tasks, timeout=finish_within)
+            tasks = list(pending)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -516,7 +516,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not os.path.exists(os.path.join(cache_dir, INDEX_NAME)):
         raise ToolError(f"--cache-dir: {cache_dir} is not a shardcache cache (no {INDEX_NAME})")
     key, reverse = _LS_SORT[args.sort]
-    with Store(cache_dir) as store:
+    with Store(cache_dir, reconcile=False) as store:
         entries = sorted(store.entries(), key=key, reverse=reverse)
     if args.json:
         out = [

@@ -6,12 +6,14 @@ per shard it owned."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -76,15 +78,32 @@ http {{
 
 def owners(tier: list[ProxyProcess], paths: list[str], origin_url: str) -> dict[str, int]:
     """Which tier proxy holds each path (index into ``tier``), from their stores."""
+    wait_idle(tier)
     out: dict[str, int] = {}
     for i, p in enumerate(tier):
-        with Store(p.cache_dir) as store:
+        with Store(p.cache_dir, reconcile=False) as store:  # read-only look at a live cache
             for e in store.entries():
                 path = e.url[len(origin_url) :]
                 if path in paths:
                     assert path not in out, f"{path} is cached by two tier proxies"
                     out[path] = i
     return out
+
+
+def wait_idle(proxies: list[ProxyProcess], timeout: float = 30.0) -> None:
+    """Wait until no running proxy has a download in flight: a client may have every byte
+    of a shard a moment before the proxy has verified and committed it."""
+    deadline = time.monotonic() + timeout
+    for p in proxies:
+        if p.proc is None or p.proc.poll() is not None:
+            continue
+        while True:
+            with urllib.request.urlopen(f"{p.url}/-/stats", timeout=5) as r:
+                if json.load(r)["in_flight"] == 0:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{p.url}: downloads still in flight after {timeout}s")
+            time.sleep(0.05)
 
 
 def served_by(proxy: ProxyProcess, paths: list[str]) -> set[str]:
