@@ -23,10 +23,10 @@ def source(index):
 
 
 def fill(path, index, barrier, results):
-    barrier.wait(30)  # all open (and create) the new file at once
+    barrier.wait(120)  # all open (and create) the new file at once
     cache = DBCache(path, SIZE, source(index), verbose=False, batch_size=50)
     yielded = [(s["__url__"], s["__key__"]) for s in cache]
-    barrier.wait(30)
+    barrier.wait(120)
     # second pass, all at once, from the file
     again = [(s["__url__"], s["__key__"]) for s in DBCache(path, SIZE, verbose=False)]
     results.put((index, yielded, again))
@@ -41,7 +41,7 @@ def test_concurrent_fill_holds_exactly_size_distinct_samples(tmp_path):
     procs = [ctx.Process(target=fill, args=(path, i, barrier, results)) for i in range(NPROC)]
     for proc in procs:
         proc.start()
-    got = [results.get(timeout=90) for _ in procs]
+    got = [results.get(timeout=240) for _ in procs]
     for proc in procs:
         proc.join(30)
         assert proc.exitcode == 0
