@@ -16,43 +16,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TextIO
 
 __all__ = ["proxy_demo"]
-
-
-@contextmanager
-def _origin(directory: Path) -> Iterator[tuple[str, dict[str, int]]]:
-    counts = {"requests": 0, "bytes": 0}
-    lock = threading.Lock()
-
-    class Handler(SimpleHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def copyfile(self, source, outputfile) -> None:  # type: ignore[override]
-            pos = source.tell()
-            super().copyfile(source, outputfile)
-            with lock:
-                counts["requests"] += 1
-                counts["bytes"] += source.tell() - pos
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(Handler, directory=str(directory)))
-    thread = threading.Thread(target=server.serve_forever, daemon=True, name="demo-origin")
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", counts
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @contextmanager
@@ -153,7 +124,7 @@ def proxy_demo(
     out: TextIO | None = None,
 ) -> int:
     """Run the proxy demo; returns 0 when both passes read identical samples."""
-    from shardcache.demo import make_shards
+    from shardcache.demo import make_shards, origin
     from shardcache.urls import proxied
 
     out = out or sys.stdout
@@ -162,7 +133,7 @@ def proxy_demo(
         print(f"writing {shards} shards of {samples} samples to {tmp_path / 'shards'}", file=out)
         paths = make_shards(tmp_path / "shards", shards, samples, size=sample_size)
         total = sum(p.stat().st_size for p in paths)
-        with _origin(tmp_path / "shards") as (origin_url, counts):
+        with origin(tmp_path / "shards") as (origin_url, counts):
             print(f"origin on {origin_url}", file=out)
             with _proxy(origin_url, tmp_path / "cache", str(total * 2)) as proxy_url:
                 print(f"proxy on {proxy_url} (cache in {tmp_path / 'cache'})", file=out)

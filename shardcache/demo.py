@@ -11,7 +11,6 @@ from the cache without touching the origin.
 from __future__ import annotations
 
 import argparse
-import collections
 import io
 import random
 import tarfile
@@ -24,7 +23,7 @@ from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-__all__ = ["register", "library_demo", "make_shards"]
+__all__ = ["register", "library_demo", "make_shards", "origin"]
 
 
 def make_shards(
@@ -51,25 +50,34 @@ def make_shards(
 
 
 @contextmanager
-def _origin(directory: Path) -> Iterator[tuple[str, collections.Counter]]:
-    """A local HTTP server for ``directory``; yields (base URL, request counter)."""
-    requests: collections.Counter[str] = collections.Counter()
+def origin(directory: Path) -> Iterator[tuple[str, dict[str, int]]]:
+    """A local HTTP server for ``directory`` on 127.0.0.1.
+
+    Yields (base URL, counts), where ``counts["requests"]`` and ``counts["bytes"]`` are
+    the GET requests answered and the body bytes sent so far.
+    """
+    counts = {"requests": 0, "bytes": 0}
+    lock = threading.Lock()
 
     class Handler(SimpleHTTPRequestHandler):
         def log_message(self, *args: object) -> None:
             pass
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server naming
-            requests[self.path] += 1
-            super().do_GET()
+        def copyfile(self, source, outputfile) -> None:  # type: ignore[override]
+            pos = source.tell()
+            super().copyfile(source, outputfile)
+            with lock:
+                counts["requests"] += 1
+                counts["bytes"] += source.tell() - pos
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), partial(Handler, directory=str(directory)))
     server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.daemon = True
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    )
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", requests
+        yield f"http://127.0.0.1:{server.server_address[1]}", counts
     finally:
         server.shutdown()
         server.server_close()
@@ -90,12 +98,12 @@ def library_demo(
         paths = make_shards(origin_dir, shards, samples)
         total = sum(p.stat().st_size for p in paths)
         print(f"made {shards} shards x {samples} samples ({total / 1e6:.1f} MB) in {origin_dir}")
-        with _origin(origin_dir) as (base, requests):
+        with origin(origin_dir) as (base, counts):
             urls = [f"{base}/{p.name}" for p in paths]
             print(f"origin: {base}/demo-{{000000..{shards - 1:06d}}}.tar")
             print(f"cache:  {cache_dir}")
             for n in range(1, passes + 1):
-                before = sum(requests.values())
+                before = counts["requests"]
                 hits_before = _hits(cache_dir)
                 start = time.perf_counter()
                 count = 0
@@ -104,7 +112,7 @@ def library_demo(
                     count += 1
                 elapsed = time.perf_counter() - start
                 hits = _hits(cache_dir) - hits_before
-                fetched = sum(requests.values()) - before
+                fetched = counts["requests"] - before
                 print(
                     f"pass {n}: {count} samples in {elapsed:.3f} s = "
                     f"{count / elapsed:,.0f} samples/s; origin requests: {fetched}, "
