@@ -1,0 +1,606 @@
+"""The proxy's aiohttp application: routes, thin handlers, admin endpoints.
+
+``make_app(settings)`` builds the application; the store, the upstream fetcher and the
+download table live in ``web.AppKey`` slots and are opened/closed by ``cleanup_ctx``.
+Handlers decide nothing themselves: :mod:`proxy.policy` maps paths, parses ranges and
+evaluates conditional requests; :mod:`proxy.inflight` runs downloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from aiohttp import web
+from braceexpand import braceexpand
+from prometheus_client.aiohttp import make_aiohttp_handler
+
+from proxy.config import Settings
+from proxy.fetch import Fetcher, UpstreamBody
+from proxy.inflight import Download, DownloadFailed, Inflight
+from proxy.metrics import ProxyMetrics
+from proxy.policy import (
+    ByteRange,
+    conditional_status,
+    map_request,
+    map_url,
+    parse_range,
+    range_applies,
+)
+from shardcache.errors import (
+    BadRequest,
+    Forbidden,
+    IncompleteDownloadError,
+    MethodNotAllowed,
+    NotFound,
+    ProxyError,
+    RangeNotSatisfiable,
+    UpstreamError,
+)
+from shardcache.store import Entry, Store
+
+__all__ = [
+    "make_app",
+    "SETTINGS",
+    "STORE",
+    "FETCHER",
+    "INFLIGHT",
+    "METRICS",
+]
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("shardcache.access")
+
+SETTINGS = web.AppKey("settings", Settings)
+METRICS = web.AppKey("metrics", ProxyMetrics)
+STORE = web.AppKey("store", Store)
+FETCHER = web.AppKey("fetcher", Fetcher)
+INFLIGHT = web.AppKey("inflight", Inflight)
+RUNTIME = web.AppKey("runtime", dict)
+
+_RequestKey = getattr(web, "RequestKey", None)  # aiohttp >= 3.12
+
+
+def _rkey(name: str, t: type) -> Any:
+    return _RequestKey(name, t) if _RequestKey is not None else f"shardcache.{name}"
+
+
+T_START = _rkey("start", float)
+T_BYTES = _rkey("bytes", int)
+T_RESP = _rkey("resp", web.StreamResponse)
+T_ABORTED = _rkey("aborted", bool)
+
+ADMIN_ROUTES = {
+    "/metrics": "GET, HEAD",
+    "/-/healthz": "GET, HEAD",
+    "/-/readyz": "GET, HEAD",
+    "/-/stats": "GET, HEAD",
+    "/-/prefetch": "POST",
+    "/-/cache": "DELETE",
+}
+MAX_PREFETCH = 100_000
+DEFAULT_TYPE = "application/octet-stream"
+
+
+# ---------------------------------------------------------------------------------------
+# application
+
+
+def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
+    """Build the proxy application for ``settings`` (store opened on startup)."""
+    app = web.Application(middlewares=[_observe], client_max_size=4 << 20)
+    app[SETTINGS] = settings
+    app[METRICS] = ProxyMetrics()
+    app[RUNTIME] = {"ready": False, "prefetch": set(), "sendfile": sendfile}
+    app.cleanup_ctx.append(_lifecycle)
+    app.on_shutdown.append(_on_shutdown)
+    prom = make_aiohttp_handler(app[METRICS].registry, disable_compression=True)
+
+    async def metrics_handler(request: web.Request) -> web.StreamResponse:
+        await _refresh_gauges(request.app)
+        return await prom(request)
+
+    r = app.router
+    r.add_get("/metrics", metrics_handler)
+    r.add_get("/-/healthz", _healthz)
+    r.add_get("/-/readyz", _readyz)
+    r.add_get("/-/stats", _stats)
+    r.add_post("/-/prefetch", _prefetch)
+    r.add_delete("/-/cache", _purge)
+    r.add_route("*", "/{tail:.*}", _shard)
+    return app
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    s = app[SETTINGS]
+    m = app[METRICS]
+
+    def on_evict(entry: Entry) -> None:
+        m.evictions.inc()
+        m.evicted_bytes.inc(entry.size)
+
+    store = await asyncio.to_thread(
+        Store,
+        s.cache_dir,
+        s.cache_size,
+        s.eviction,
+        on_evict,  # type: ignore[arg-type]
+    )
+    m.cache_limit.set(s.cache_size)
+    fetcher = Fetcher(
+        connect_timeout=s.connect_timeout,
+        read_timeout=s.read_timeout,
+        retries=s.retries,
+        retry_backoff=s.retry_backoff,
+        chunk_size=s.chunk_size,
+        observe=m.observe_upstream,
+        on_bytes=m.upstream_bytes.inc,
+    )
+    app[STORE] = store
+    app[FETCHER] = fetcher
+    app[INFLIGHT] = Inflight(store, fetcher, m, cache_size=s.cache_size)
+    app[RUNTIME]["ready"] = True
+    log.info(
+        "cache %s: limit %d bytes, policy %s; upstreams: %s",
+        s.cache_dir,
+        s.cache_size,
+        s.eviction,
+        ", ".join(str(u) for u in s.upstreams) or "(none)",
+    )
+    try:
+        yield
+    finally:
+        app[RUNTIME]["ready"] = False
+        tasks = list(app[RUNTIME]["prefetch"])
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await app[INFLIGHT].stop()
+        await fetcher.close()
+        await asyncio.to_thread(store.close)
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    app[RUNTIME]["ready"] = False
+
+
+# ---------------------------------------------------------------------------------------
+# middleware: error bodies, access log, request metrics
+
+
+def _error_response(
+    status: int, message: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    line = " ".join(message.split()) or "error"
+    return web.Response(status=status, text=line + "\n", headers=headers)
+
+
+@web.middleware
+async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
+    start = time.monotonic()
+    request[T_START] = start
+    request[T_BYTES] = 0
+    resp: web.StreamResponse | None = None
+    note = ""
+    try:
+        try:
+            resp = await handler(request)
+        except ProxyError as exc:
+            headers = getattr(exc, "headers", None)
+            if isinstance(exc, MethodNotAllowed):
+                headers = {"Allow": getattr(exc, "allow", "GET, HEAD")}
+            if exc.status_hint == 401:
+                headers = {"WWW-Authenticate": 'Bearer realm="shardcache"'}
+            resp = _error_response(exc.status_hint, str(exc), headers)
+        except web.HTTPException as exc:
+            resp = _error_response(exc.status, exc.text or exc.reason, None)
+        except DownloadFailed as exc:  # failed before this response started
+            resp = _error_response(502, f"upstream failed: {exc}")
+        except ConnectionError:
+            note = " client-gone"
+            resp = request.get(T_RESP)
+            if resp is None:
+                raise
+        if request.get(T_ABORTED):
+            note = " aborted"
+        return resp
+    finally:
+        status = resp.status if resp is not None else 500
+        cache = (resp.headers.get("X-Cache") if resp is not None else None) or "NONE"
+        nbytes = request[T_BYTES]
+        if resp is not None and not resp.prepared and isinstance(resp, web.Response):
+            nbytes = 0 if request.method == "HEAD" else len(resp.body or b"")
+        duration = time.monotonic() - start
+        request.app[METRICS].observe_request(cache, status, nbytes)
+        access_log.info(
+            '%s "%s %s" %d %s %d %.3fs%s',
+            request.remote,
+            request.method,
+            request.raw_path,
+            status,
+            cache,
+            nbytes,
+            duration,
+            note,
+        )
+
+
+def _abort_client(request: web.Request) -> None:
+    """Break the client connection so a truncated body cannot look like a clean end."""
+    request[T_ABORTED] = True
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+
+
+# ---------------------------------------------------------------------------------------
+# shards
+
+
+async def _shard(request: web.Request) -> web.StreamResponse:
+    s = request.app[SETTINGS]
+    raw = request.raw_path
+    path_only = raw.partition("?")[0]
+    if path_only.startswith("/-/") or path_only == "/metrics":
+        if path_only in ADMIN_ROUTES:
+            exc = MethodNotAllowed(f"method {request.method} not allowed on {path_only}")
+            exc.allow = ADMIN_ROUTES[path_only]  # type: ignore[attr-defined]
+            raise exc
+        raise NotFound(f"no admin route {path_only}")
+    if request.method not in ("GET", "HEAD"):
+        raise MethodNotAllowed(f"method {request.method} not allowed; use GET or HEAD")
+    url = map_request(raw, s.upstreams, s.allow_hosts, s.max_path_length)
+    store = request.app[STORE]
+    inflight = request.app[INFLIGHT]
+    for _ in range(3):
+        dl = inflight.get(url)
+        cache = "COALESCED"
+        if dl is None:
+            entry = await asyncio.to_thread(store.get, url)
+            if entry is not None:
+                resp = await _serve_hit(request, entry)
+                if resp is not None:
+                    return resp
+                continue  # evicted between lookup and open: look again
+            dl = inflight.get(url)
+            if dl is None:
+                dl = inflight.start(url)
+                cache = "MISS"
+        if dl.verified:
+            cache = "HIT"  # every byte is local already; only the commit is pending
+        try:
+            return await _serve_download(request, dl, cache)
+        finally:
+            dl.release()
+    raise UpstreamError(f"{url}: entry keeps disappearing; try again")
+
+
+def _base_headers(cache: str, etag: str | None, last_modified: str | None) -> dict[str, str]:
+    h = {"X-Cache": cache, "Accept-Ranges": "bytes"}
+    if etag:
+        h["ETag"] = etag
+    if last_modified:
+        h["Last-Modified"] = last_modified
+    return h
+
+
+def _plan(
+    request: web.Request, size: int | None, etag: str | None, last_modified: str | None
+) -> tuple[int | None, ByteRange | None]:
+    """(status for a bodiless answer or None, byte range or None for the whole object)."""
+    cond = conditional_status(request.method, request.headers, etag, last_modified)
+    if cond is not None:
+        return cond, None
+    rng = request.headers.get("Range")
+    if rng is None or size is None or not range_applies(request.headers, etag, last_modified):
+        return None, None
+    try:
+        return None, parse_range(rng, size)
+    except RangeNotSatisfiable as exc:
+        exc.headers = {"Content-Range": f"bytes */{size}"}  # type: ignore[attr-defined]
+        raise
+
+
+def _prepare_headers(
+    resp: web.StreamResponse, size: int | None, brange: ByteRange | None, content_type: str | None
+) -> None:
+    resp.content_type = content_type or DEFAULT_TYPE
+    if brange is not None:
+        resp.set_status(206)
+        resp.headers["Content-Range"] = brange.content_range
+        resp.content_length = brange.length
+    elif size is not None:
+        resp.content_length = size
+
+
+def _not_modified(status: int, headers: dict[str, str]) -> web.Response:
+    if status == 304:
+        return web.Response(status=304, headers=headers)
+    return _error_response(412, "precondition failed", headers)
+
+
+async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse | None:
+    headers = _base_headers("HIT", entry.etag, entry.last_modified)
+    cond, brange = _plan(request, entry.size, entry.etag, entry.last_modified)
+    if cond is not None:
+        return _not_modified(cond, headers)
+    try:
+        fobj = await asyncio.to_thread(open, entry.path, "rb")
+    except FileNotFoundError:
+        return None
+    try:
+        resp = web.StreamResponse(headers=headers)
+        _prepare_headers(resp, entry.size, brange, entry.content_type)
+        offset = brange.start if brange else 0
+        count = brange.length if brange else entry.size
+        request[T_RESP] = resp
+        await resp.prepare(request)
+        if request.method == "HEAD" or count == 0:
+            await resp.write_eof()
+            return resp
+        m = request.app[METRICS]
+        m.ttfb.labels(cache="HIT").observe(time.monotonic() - request[T_START])
+        await _send_file(request, resp, fobj, offset, count)
+        await resp.write_eof()
+        return resp
+    finally:
+        await asyncio.to_thread(fobj.close)
+
+
+async def _send_file(
+    request: web.Request, resp: web.StreamResponse, fobj: Any, offset: int, count: int
+) -> None:
+    loop = asyncio.get_running_loop()
+    transport = request.transport
+    if transport is None:
+        raise ConnectionResetError("client gone")
+    if request.app[RUNTIME]["sendfile"]:
+        try:
+            await loop.sendfile(transport, fobj, offset, count, fallback=False)
+            request[T_BYTES] += count
+            return
+        except (NotImplementedError, RuntimeError):
+            pass
+    fd = fobj.fileno()
+    pos, end = offset, offset + count
+    while pos < end:
+        data = await loop.run_in_executor(None, os.pread, fd, min(1 << 20, end - pos), pos)
+        if not data:
+            _abort_client(request)  # the file shrank under us: never end cleanly
+            return
+        await resp.write(data)
+        pos += len(data)
+        request[T_BYTES] += len(data)
+
+
+async def _serve_download(request: web.Request, dl: Download, cache: str) -> web.StreamResponse:
+    await dl.wait_headers()
+    if dl.state == "bypass":
+        return await _serve_bypass(request, dl)
+    headers = _base_headers(cache, dl.etag, dl.last_modified)
+    size = dl.known_size
+    cond, brange = _plan(request, size, dl.etag, dl.last_modified)
+    if cond is not None:
+        return _not_modified(cond, headers)
+    resp = web.StreamResponse(headers=headers)
+    _prepare_headers(resp, size, brange, dl.content_type)
+    request[T_RESP] = resp
+    await resp.prepare(request)
+    if request.method == "HEAD":
+        await resp.write_eof()
+        return resp
+    m = request.app[METRICS]
+
+    def first_byte() -> None:
+        m.ttfb.labels(cache=cache).observe(time.monotonic() - request[T_START])
+
+    async def write(data: bytes) -> None:
+        await resp.write(data)
+        request[T_BYTES] += len(data)
+
+    start = brange.start if brange else 0
+    end = brange.end + 1 if brange else size
+    try:
+        await dl.stream(write, start, end, first_byte)
+    except DownloadFailed as exc:
+        log.warning("aborting %s %s: %s", request.method, request.raw_path, exc)
+        _abort_client(request)
+        return resp
+    await resp.write_eof()
+    return resp
+
+
+async def _serve_bypass(request: web.Request, dl: Download) -> web.StreamResponse:
+    fetcher = request.app[FETCHER]
+    body: UpstreamBody | None = None
+    if request.method == "GET":
+        body = dl.take_bypass_body() or await fetcher.open(dl.url)
+    try:
+        meta: Any = body if body is not None else dl
+        headers = _base_headers("BYPASS", meta.etag, meta.last_modified)
+        cond, brange = _plan(request, meta.size, meta.etag, meta.last_modified)
+        if cond is not None:
+            return _not_modified(cond, headers)
+        resp = web.StreamResponse(headers=headers)
+        _prepare_headers(resp, meta.size, brange, meta.content_type)
+        request[T_RESP] = resp
+        await resp.prepare(request)
+        if body is None:
+            await resp.write_eof()
+            return resp
+        lo = brange.start if brange else 0
+        hi = brange.end + 1 if brange else None
+        pos = 0
+        first = True
+        try:
+            async for chunk in body.chunks():
+                a, b = pos, pos + len(chunk)
+                pos = b
+                if b <= lo:
+                    continue
+                piece = chunk[max(0, lo - a) : (len(chunk) if hi is None else max(0, hi - a))]
+                if piece:
+                    if first:
+                        first = False
+                        request.app[METRICS].ttfb.labels(cache="BYPASS").observe(
+                            time.monotonic() - request[T_START]
+                        )
+                    await resp.write(piece)
+                    request[T_BYTES] += len(piece)
+                if hi is not None and pos >= hi:
+                    break
+        except (IncompleteDownloadError, ProxyError) as exc:
+            log.warning("aborting %s %s: %s", request.method, request.raw_path, exc)
+            request.app[METRICS].failed_downloads.inc()
+            _abort_client(request)
+            return resp
+        await resp.write_eof()
+        return resp
+    finally:
+        if body is not None:
+            body.close()
+
+
+# ---------------------------------------------------------------------------------------
+# admin
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.Response(text="ok\n")
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    if request.app[RUNTIME]["ready"]:
+        return web.Response(text="ready\n")
+    return _error_response(503, "not ready")
+
+
+async def _refresh_gauges(app: web.Application) -> dict[str, Any]:
+    st = await asyncio.to_thread(app[STORE].stats)
+    m = app[METRICS]
+    m.cache_size.set(st["bytes"])
+    m.cache_entries.set(st["entries"])
+    m.cache_limit.set(st["limit"])
+    return st
+
+
+async def _stats(request: web.Request) -> web.Response:
+    st = await _refresh_gauges(request.app)
+    m = request.app[METRICS]
+    total = m.hits + m.misses
+    body = {
+        "entries": st["entries"],
+        "bytes": st["bytes"],
+        "limit": st["limit"],
+        "reserved": st["reserved"],
+        "policy": st["policy"],
+        "in_flight": len(request.app[INFLIGHT]),
+        "downloads_all_processes": st["downloads"],
+        "hits": m.hits,
+        "misses": m.misses,
+        "hit_ratio": (m.hits / total) if total else 0.0,
+        "upstream_bytes": m.total_upstream_bytes(),
+        "served_bytes": m.total_response_bytes(),
+    }
+    return web.json_response(body)
+
+
+def _require_admin(request: web.Request) -> None:
+    token = request.app[SETTINGS].admin_token
+    if not token:
+        return
+    auth = request.headers.get("Authorization")
+    if not auth:
+        raise ProxyError("admin token required (Authorization: Bearer <token>)", status_hint=401)
+    scheme, _, given = auth.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.strip().encode(), token.encode()
+    ):
+        raise Forbidden("wrong admin token")
+
+
+def _canonical(request: web.Request, url: str) -> str:
+    s = request.app[SETTINGS]
+    if not isinstance(url, str) or not url:
+        raise BadRequest("each URL must be a non-empty string")
+    try:
+        return map_url(url, s.upstreams, s.allow_hosts, s.max_path_length)
+    except ProxyError as exc:
+        raise type(exc)(f"{url}: {exc}") from None
+
+
+def _expand(body: Any) -> Iterator[str]:
+    if not isinstance(body, dict):
+        raise BadRequest('body must be a JSON object {"urls": [...]} or {"pattern": "..."}')
+    if "urls" in body:
+        urls = body["urls"]
+        if not isinstance(urls, list):
+            raise BadRequest('"urls" must be a list of strings')
+        yield from urls
+    elif "pattern" in body:
+        pattern = body["pattern"]
+        if not isinstance(pattern, str):
+            raise BadRequest('"pattern" must be a string')
+        yield from braceexpand(pattern)
+    else:
+        raise BadRequest('body needs "urls" or "pattern"')
+
+
+async def _prefetch(request: web.Request) -> web.Response:
+    _require_admin(request)
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}") from None
+    urls: list[str] = []
+    for u in _expand(body):
+        if len(urls) >= MAX_PREFETCH:
+            raise BadRequest(f"more than {MAX_PREFETCH} URLs in one prefetch")
+        urls.append(_canonical(request, u))
+    app = request.app
+    task = asyncio.get_running_loop().create_task(_run_prefetch(app, urls))
+    app[RUNTIME]["prefetch"].add(task)
+    task.add_done_callback(app[RUNTIME]["prefetch"].discard)
+    return web.json_response({"accepted": len(urls)}, status=202)
+
+
+async def _run_prefetch(app: web.Application, urls: list[str]) -> None:
+    store, inflight = app[STORE], app[INFLIGHT]
+    queue = iter(dict.fromkeys(urls))
+    done = {"ok": 0, "failed": 0}
+
+    async def worker() -> None:
+        for url in queue:
+            dl = inflight.get(url)
+            if dl is None:
+                if await asyncio.to_thread(store.get, url, touch=False) is not None:
+                    continue
+                dl = inflight.get(url) or inflight.start(url)
+            try:
+                await dl.wait_finished()
+                body = dl.take_bypass_body()
+                if body is not None:
+                    body.close()
+                done["ok" if dl.state == "done" else "failed"] += 1
+            finally:
+                dl.release()
+
+    n = app[SETTINGS].prefetch_concurrency
+    await asyncio.gather(*(worker() for _ in range(n)))
+    log.info("prefetch finished: %d downloaded, %d failed", done["ok"], done["failed"])
+
+
+async def _purge(request: web.Request) -> web.Response:
+    _require_admin(request)
+    store = request.app[STORE]
+    url = request.query.get("url")
+    if url is not None:
+        removed = int(await asyncio.to_thread(store.remove, _canonical(request, url)))
+    else:
+        removed = await asyncio.to_thread(store.clear)
+    return web.json_response({"removed": removed})

@@ -1,0 +1,143 @@
+"""``shardcache serve`` (the proxy daemon) and ``shardcache check`` (store repair)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import logging
+import os
+import signal
+import sys
+
+from proxy.config import Settings, add_serve_arguments, configure_logging, settings_from_args
+from shardcache.errors import ConfigError
+
+__all__ = ["register", "serve", "run_server"]
+
+log = logging.getLogger("shardcache.proxy")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``serve`` and ``check`` subcommands."""
+    p = subparsers.add_parser(
+        "serve",
+        help="run the caching proxy daemon",
+        description="Serve shards from upstreams through an on-disk cache. Every flag also "
+        "reads SHARDCACHE_<FLAG> from the environment; the flag wins.",
+    )
+    add_serve_arguments(p)
+    p.set_defaults(func=_serve_command)
+
+    c = subparsers.add_parser(
+        "check",
+        help="check (and repair) a cache directory",
+        description="Reconcile the "
+        "store's index with its directory and report problems; exit 1 if any remain.",
+    )
+    c.add_argument("--cache-dir", required=True, help="the cache directory")
+    c.add_argument("--fix", action="store_true", help="repair what can be repaired")
+    c.set_defaults(func=_check_command)
+
+
+def _serve_command(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args, os.environ)
+    configure_logging(settings.log_level)
+    return serve(settings)
+
+
+def serve(settings: Settings) -> int:
+    """Run the proxy until SIGTERM/SIGINT; then drain for the grace period and exit 0."""
+    try:
+        import uvloop  # type: ignore[import-not-found]
+    except ImportError:
+        uvloop = None
+    if uvloop is not None:
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        log.debug("using uvloop")
+    try:
+        asyncio.run(run_server(settings))
+    except OSError as exc:
+        raise ConfigError(
+            "--port", f"cannot listen on {settings.host}:{settings.port}: {exc}"
+        ) from None
+    return 0
+
+
+async def run_server(settings: Settings, stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set (or SIGTERM/SIGINT arrives)."""
+    from aiohttp import web
+
+    from proxy.app import make_app
+
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=64))
+    stop = stop or asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    app = make_app(settings)
+    runner = web.AppRunner(
+        app, access_log=None, shutdown_timeout=settings.grace_period, handle_signals=False
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
+        await site.start()
+        for addr in runner.addresses:
+            host, port = addr[0], addr[1]
+            log.info("shardcache serving on http://%s:%d", host, port)
+        sys.stderr.flush()
+        await stop.wait()
+        log.info(
+            "stopping: no new connections; %.0fs for responses in flight", settings.grace_period
+        )
+    finally:
+        await runner.cleanup()
+        log.info("stopped")
+
+
+def _check_command(args: argparse.Namespace) -> int:
+    from shardcache.store import INDEX_NAME, Store
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cache_dir = args.cache_dir
+    if not os.path.isdir(cache_dir):
+        raise ConfigError("--cache-dir", f"{cache_dir} is not a directory")
+    if not os.path.exists(os.path.join(cache_dir, INDEX_NAME)):
+        raise ConfigError("--cache-dir", f"{cache_dir} has no shardcache index ({INDEX_NAME})")
+    store = Store.__new__(Store)  # open without the repairing reconcile of __init__
+    _open_without_repair(store, cache_dir)
+    try:
+        report = store.check(fix=args.fix)
+    finally:
+        store.close()
+    print(f"cache {cache_dir}: {report.entries} entries, {report.bytes} bytes")
+    for line in report.problems:
+        print(f"problem: {line}")
+    for line in report.fixed:
+        print(f"fixed: {line}")
+    if report.ok:
+        print("ok")
+        return 0
+    if args.fix and report.fixed and len(report.fixed) >= len(report.problems):
+        print("repaired")
+        return 0
+    return 1
+
+
+def _open_without_repair(store: object, cache_dir: str) -> None:
+    """Initialise a Store without the repairs ``Store.__init__`` makes, so that ``check``
+    without ``--fix`` only reports. (Adapter until the store offers this itself.)"""
+    import threading
+    from pathlib import Path
+
+    store.cache_dir = Path(cache_dir)  # type: ignore[attr-defined]
+    store.cache_size = 10**18  # type: ignore[attr-defined]  # the bound is the daemon's
+    store.policy = "lru"  # type: ignore[attr-defined]
+    store.on_evict = None  # type: ignore[attr-defined]
+    store._lock = threading.RLock()  # type: ignore[attr-defined]
+    store._conn = None  # type: ignore[attr-defined]
+    store._pid = -1  # type: ignore[attr-defined]

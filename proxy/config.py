@@ -1,0 +1,226 @@
+"""Settings of the proxy: parsed once at startup from flags and ``SHARDCACHE_*`` variables.
+
+Every flag has an environment variable named after it (``--cache-size`` ↔
+``SHARDCACHE_CACHE_SIZE``); a flag given on the command line wins over the variable. A
+bad value raises :class:`~shardcache.errors.ConfigError` naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from proxy.policy import Upstream, parse_size
+from shardcache.errors import ConfigError
+
+__all__ = ["Settings", "add_serve_arguments", "settings_from_args", "parse_settings", "ENV_PREFIX"]
+
+ENV_PREFIX = "SHARDCACHE_"
+EVICTION_POLICIES = ("lru", "fifo", "keep")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the proxy needs to know, validated."""
+
+    cache_dir: Path
+    upstreams: tuple[Upstream, ...] = ()
+    cache_size: int = 100 * 1000**3
+    host: str = "127.0.0.1"
+    port: int = 8080
+    admin_token: str | None = None
+    allow_hosts: tuple[str, ...] = ()
+    log_level: str = "info"
+    eviction: str = "lru"
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+    retries: int = 3
+    retry_backoff: float = 0.5
+    grace_period: float = 30.0
+    max_path_length: int = 1024
+    prefetch_concurrency: int = 4
+    chunk_size: int = 1 << 20
+
+
+# (flag, dest, help, default-as-text or None)
+_OPTIONS: tuple[tuple[str, str, str], ...] = (
+    ("--cache-dir", "cache_dir", "directory of the on-disk store (required)"),
+    ("--cache-size", "cache_size", "bound on cached bytes, e.g. 500G, 1.5T, 10MiB (default 100G)"),
+    ("--host", "host", "address to listen on (default 127.0.0.1)"),
+    ("--port", "port", "port to listen on; 0 picks a free one (default 8080)"),
+    ("--admin-token", "admin_token", "bearer token required by mutating admin routes"),
+    ("--log-level", "log_level", "debug, info, warning, error (default info)"),
+    ("--eviction", "eviction", "lru, fifo or keep (stop admitting once full) (default lru)"),
+    ("--connect-timeout", "connect_timeout", "upstream connect timeout, seconds (default 10)"),
+    ("--read-timeout", "read_timeout", "upstream idle read timeout, seconds (default 60)"),
+    ("--retries", "retries", "resume attempts after an upstream fails mid-body (default 3)"),
+    ("--grace-period", "grace_period", "seconds to let responses finish on SIGTERM (default 30)"),
+    ("--max-path-length", "max_path_length", "longest accepted request path (default 1024)"),
+    ("--prefetch-concurrency", "prefetch_concurrency", "parallel prefetch downloads (default 4)"),
+)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the proxy's flags; defaults are None so environment variables can fill in."""
+    parser.add_argument(
+        "--upstream",
+        action="append",
+        default=None,
+        metavar="[NAME=]URL",
+        help="upstream base URL (http, https, file); NAME=URL mounts it under /NAME/; "
+        "repeatable (env SHARDCACHE_UPSTREAM, comma or space separated)",
+    )
+    parser.add_argument(
+        "--allow-host",
+        action="append",
+        default=None,
+        metavar="HOST[:PORT]",
+        help="host that /http(s)://HOST/... may fetch from; repeatable",
+    )
+    for flag, dest, help_text in _OPTIONS:
+        env = ENV_PREFIX + dest.upper()
+        parser.add_argument(flag, dest=dest, default=None, help=f"{help_text} [env {env}]")
+
+
+def _split_list(value: str) -> list[str]:
+    return [v for v in re.split(r"[,\s]+", value) if v]
+
+
+def _parse_upstream(value: str) -> Upstream:
+    name: str | None = None
+    url = value.strip()
+    head, eq, tail = url.partition("=")
+    if eq and "/" not in head and ":" not in head:
+        name, url = head, tail
+        if not _NAME_RE.match(name):
+            raise ConfigError("--upstream", f"bad upstream name {name!r} in {value!r}")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https", "file"):
+        raise ConfigError(
+            "--upstream", f"{value!r}: scheme must be http, https or file (got {parts.scheme!r})"
+        )
+    if parts.scheme in ("http", "https") and not parts.hostname:
+        raise ConfigError("--upstream", f"{value!r}: no host")
+    if parts.scheme == "file" and not parts.path.startswith("/"):
+        raise ConfigError("--upstream", f"{value!r}: file URLs need an absolute path")
+    if parts.query or parts.fragment:
+        raise ConfigError("--upstream", f"{value!r}: no query or fragment allowed")
+    return Upstream(name, url.rstrip("/"))
+
+
+def _number(flag: str, text: str, kind: type, minimum: float) -> float | int:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ConfigError(flag, f"not a number: {text!r}") from None
+    if not value >= minimum or value == float("inf"):
+        raise ConfigError(flag, f"must be at least {minimum} (got {text!r})")
+    return value
+
+
+def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
+    """Build validated Settings from parsed flags, falling back to ``environ``."""
+
+    def get(dest: str) -> str | None:
+        value = getattr(args, dest, None)
+        if value is None:
+            value = environ.get(ENV_PREFIX + dest.upper())
+            if value is not None and value.strip() == "":
+                value = None
+        return value
+
+    def get_list(dest: str) -> list[str]:
+        value = getattr(args, dest, None)
+        if value:
+            out: list[str] = []
+            for v in value:
+                out.extend(_split_list(v) if dest == "allow_host" else [v])
+            return out
+        env = environ.get(ENV_PREFIX + dest.upper())
+        return _split_list(env) if env else []
+
+    kw: dict[str, object] = {}
+    cache_dir = get("cache_dir")
+    if not cache_dir:
+        raise ConfigError("--cache-dir", "required (or set SHARDCACHE_CACHE_DIR)")
+    kw["cache_dir"] = Path(cache_dir).expanduser()
+    if kw["cache_dir"].exists() and not kw["cache_dir"].is_dir():  # type: ignore[union-attr]
+        raise ConfigError("--cache-dir", f"{cache_dir} exists and is not a directory")
+
+    upstreams = tuple(_parse_upstream(v) for v in get_list("upstream"))
+    names = [u.name for u in upstreams]
+    if names.count(None) > 1:
+        raise ConfigError(
+            "--upstream", "only one upstream may be unnamed; name the others NAME=URL"
+        )
+    dup = {n for n in names if n is not None and names.count(n) > 1}
+    if dup:
+        raise ConfigError("--upstream", f"upstream name used twice: {sorted(dup)[0]}")
+    allow_hosts = tuple(h.lower() for h in get_list("allow_host"))
+    if not upstreams and not allow_hosts:
+        raise ConfigError("--upstream", "at least one upstream is required (or --allow-host)")
+    kw["upstreams"] = upstreams
+    kw["allow_hosts"] = allow_hosts
+
+    if (v := get("cache_size")) is not None:
+        try:
+            size = parse_size(v)
+        except ValueError as exc:
+            raise ConfigError("--cache-size", str(exc)) from None
+        if size <= 0:
+            raise ConfigError("--cache-size", f"must be positive (got {v!r})")
+        kw["cache_size"] = size
+    if (v := get("host")) is not None:
+        kw["host"] = v
+    if (v := get("port")) is not None:
+        port = _number("--port", v, int, 0)
+        if port > 65535:
+            raise ConfigError("--port", f"must be at most 65535 (got {v!r})")
+        kw["port"] = port
+    if (v := get("admin_token")) is not None:
+        kw["admin_token"] = v
+    if (v := get("log_level")) is not None:
+        if v.lower() not in LOG_LEVELS:
+            raise ConfigError("--log-level", f"must be one of {', '.join(LOG_LEVELS)} (got {v!r})")
+        kw["log_level"] = v.lower()
+    if (v := get("eviction")) is not None:
+        if v.lower() not in EVICTION_POLICIES:
+            raise ConfigError(
+                "--eviction", f"must be one of {', '.join(EVICTION_POLICIES)} (got {v!r})"
+            )
+        kw["eviction"] = v.lower()
+    for flag, dest, kind, minimum in (
+        ("--connect-timeout", "connect_timeout", float, 0.001),
+        ("--read-timeout", "read_timeout", float, 0.001),
+        ("--retries", "retries", int, 0),
+        ("--grace-period", "grace_period", float, 0),
+        ("--max-path-length", "max_path_length", int, 16),
+        ("--prefetch-concurrency", "prefetch_concurrency", int, 1),
+    ):
+        if (v := get(dest)) is not None:
+            kw[dest] = _number(flag, v, kind, minimum)
+    return Settings(**kw)  # type: ignore[arg-type]
+
+
+def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Settings:
+    """Parse ``serve`` flags (without the subcommand) into Settings; for tests and embedding."""
+    parser = argparse.ArgumentParser(prog="shardcache serve", exit_on_error=False)
+    add_serve_arguments(parser)
+    args = parser.parse_args(list(argv))
+    return settings_from_args(args, os.environ if environ is None else environ)
+
+
+def configure_logging(level: str) -> None:
+    """Set up plain logging to stderr at ``level``."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )

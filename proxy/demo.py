@@ -1,0 +1,173 @@
+"""The proxy demo: sample shards, a loopback origin, the proxy daemon, two passes.
+
+:func:`proxy_demo` writes sample shards to a temporary directory, serves them from an
+HTTP origin on 127.0.0.1, starts ``shardcache serve`` in front of it (a subprocess on a
+free port), and reads every shard through the proxy with the library twice: cold (each
+shard comes from the origin once) and warm (all hits). It prints progress, samples/s,
+bytes from upstream against bytes served, and the hit ratio, then shuts everything down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import TextIO
+
+__all__ = ["proxy_demo"]
+
+
+@contextmanager
+def _origin(directory: Path) -> Iterator[tuple[str, dict[str, int]]]:
+    counts = {"requests": 0, "bytes": 0}
+    lock = threading.Lock()
+
+    class Handler(SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def copyfile(self, source, outputfile) -> None:  # type: ignore[override]
+            pos = source.tell()
+            super().copyfile(source, outputfile)
+            with lock:
+                counts["requests"] += 1
+                counts["bytes"] += source.tell() - pos
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(Handler, directory=str(directory)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True, name="demo-origin")
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", counts
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@contextmanager
+def _proxy(upstream: str, cache_dir: Path, cache_size: str) -> Iterator[str]:
+    log_path = cache_dir.parent / "proxy.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardcache",
+        "serve",
+        "--upstream",
+        upstream,
+        "--cache-dir",
+        str(cache_dir),
+        "--cache-size",
+        cache_size,
+        "--port",
+        "0",
+        "--log-level",
+        "info",
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDCACHE_")}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                text = log_path.read_text(errors="replace")
+                m = re.search(r"serving on http://[^:]+:(\d+)", text)
+                if m:
+                    break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the proxy did not start:\n{text}")
+                time.sleep(0.05)
+            yield f"http://127.0.0.1:{m.group(1)}"
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def _read_pass(label: str, urls: list[str], out: TextIO) -> tuple[int, int, float]:
+    from shardcache.tariterators import tarfile_samples
+    from shardcache.urls import shardlist
+
+    t0 = time.monotonic()
+    n = nbytes = 0
+    current = None
+    for sample in tarfile_samples(shardlist(urls)):
+        n += 1
+        nbytes += sum(len(v) for k, v in sample.items() if not k.startswith("__"))
+        if sample["__url__"] != current:
+            current = sample["__url__"]
+            done = urls.index(current) if current in urls else 0
+            rate = n / max(time.monotonic() - t0, 1e-9)
+            print(
+                f"  {label}: shard {done + 1}/{len(urls)} {current.rsplit('/', 1)[-1]}"
+                f"  {n} samples  {rate:,.0f} samples/s",
+                file=out,
+                flush=True,
+            )
+    return n, nbytes, time.monotonic() - t0
+
+
+def proxy_demo(
+    shards: int = 8,
+    samples: int = 200,
+    sample_size: int = 16384,
+    out: TextIO | None = None,
+) -> int:
+    """Run the proxy demo; returns 0 when both passes read identical samples."""
+    from shardcache.demo import make_shards
+    from shardcache.urls import proxied
+
+    out = out or sys.stdout
+    with tempfile.TemporaryDirectory(prefix="shardcache-proxy-demo-") as tmp:
+        tmp_path = Path(tmp)
+        print(f"writing {shards} shards of {samples} samples to {tmp_path / 'shards'}", file=out)
+        paths = make_shards(tmp_path / "shards", shards, samples, size=sample_size)
+        total = sum(p.stat().st_size for p in paths)
+        with _origin(tmp_path / "shards") as (origin_url, counts):
+            print(f"origin on {origin_url}", file=out)
+            with _proxy(origin_url, tmp_path / "cache", str(total * 2)) as proxy_url:
+                print(f"proxy on {proxy_url} (cache in {tmp_path / 'cache'})", file=out)
+                urls = [
+                    str(u)
+                    for u in proxied(
+                        [f"{origin_url}/{p.name}" for p in paths], proxy_url, upstream=origin_url
+                    )
+                ]
+                results = {}
+                for label in ("cold", "warm"):
+                    n, nbytes, secs = _read_pass(label, urls, out)
+                    results[label] = (n, nbytes)
+                    print(
+                        f"{label}: {n} samples, {nbytes / 2**20:.1f} MiB in {secs:.2f}s = "
+                        f"{n / max(secs, 1e-9):,.0f} samples/s; "
+                        f"origin so far: {counts['requests']} requests, "
+                        f"{counts['bytes'] / 2**20:.1f} MiB",
+                        file=out,
+                        flush=True,
+                    )
+                with urllib.request.urlopen(f"{proxy_url}/-/stats", timeout=10) as r:
+                    stats = json.load(r)
+        print(
+            f"bytes from upstream: {stats['upstream_bytes'] / 2**20:.1f} MiB, "
+            f"served: {stats['served_bytes'] / 2**20:.1f} MiB, "
+            f"hit ratio: {stats['hit_ratio']:.2f} ({stats['hits']} hits, "
+            f"{stats['misses']} misses), {stats['entries']} entries cached",
+            file=out,
+        )
+    ok = results["cold"] == results["warm"] and counts["requests"] == shards
+    print("ok: every shard crossed the network once" if ok else "MISMATCH", file=out)
+    return 0 if ok else 1

@@ -1,0 +1,350 @@
+"""One upstream download per shard, teed to a ``.part`` file that every client follows.
+
+The first request for a URL that is not cached starts a :class:`Download` (a background
+task); requests for the same URL while it runs join it. The task writes upstream bytes to
+the store's ``.part`` file; every client — the first, later joiners, Range requests —
+reads the growing file with ``pread`` on one shared descriptor and is woken by an event
+each time bytes arrive. No client waits for the whole shard, and a slow client never slows
+the download.
+
+Completeness: a response that reaches the end of the object sends its last bytes only
+after the download has been verified (byte count against Content-Length, MD5 when the
+upstream sent one). On an unrecoverable failure every client of the download gets
+:class:`DownloadFailed`, upon which the handler aborts the connection: a truncated body
+never looks like a clean end. The partial file is deleted, never committed.
+
+Admission: when the store refuses the shard (bigger than the cache, or ``keep`` and full)
+the download turns into *bypass*: its upstream body goes to one client, and every other
+client fetches its own, uncached (``X-Cache: BYPASS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from proxy.fetch import Fetcher, UpstreamBody
+from proxy.metrics import ProxyMetrics
+from proxy.policy import should_admit
+from shardcache.errors import CacheError, IncompleteDownloadError, ProxyError, UpstreamError
+from shardcache.store import Entry, Partial, Store
+
+__all__ = ["Download", "DownloadFailed", "Inflight"]
+
+log = logging.getLogger(__name__)
+
+GROW_STEP = 64 << 20  # reservation step for downloads of unknown size
+READ_CHUNK = 1 << 20
+BYPASS_CLAIM_SECONDS = 30.0
+
+
+class DownloadFailed(Exception):
+    """The download a client was following failed; the client's response must be aborted."""
+
+    def __init__(self, url: str, cause: BaseException | None) -> None:
+        self.url = url
+        self.cause = cause
+        super().__init__(f"{url}: download failed: {cause}")
+
+
+def _write_all(fd: int, data: bytes, hasher: Any) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+    if hasher is not None:
+        hasher.update(data)
+
+
+class Download:
+    """The shared state of one upstream download. Created by :class:`Inflight`."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.state = "opening"  # opening -> streaming -> done | failed ; opening -> bypass
+        self.size: int | None = None
+        self.etag: str | None = None
+        self.last_modified: str | None = None
+        self.content_type: str | None = None
+        self.written = 0
+        self.verified = False  # all bytes in, length and checksum checked
+        self.cached = False  # will become an entry if it completes
+        self.entry: Entry | None = None
+        self.error: BaseException | None = None
+        self.started = time.monotonic()
+        self._changed = asyncio.Event()
+        self._read_fd: int | None = None
+        self._refs = 1  # the download task itself
+        self._bypass_body: UpstreamBody | None = None
+        self.task: asyncio.Task | None = None
+
+    # -- notification --------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        ev, self._changed = self._changed, asyncio.Event()
+        ev.set()
+
+    async def _wait(self) -> None:
+        await self._changed.wait()
+
+    @property
+    def known_size(self) -> int | None:
+        """The object's size: from Content-Length, or once every byte is in."""
+        if self.size is not None:
+            return self.size
+        return self.written if self.verified else None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("done", "failed", "bypass")
+
+    async def wait_headers(self) -> None:
+        """Wait until the upstream answered; raise its error if it failed before any byte."""
+        while self.state == "opening":
+            await self._wait()
+        if self.state == "failed" and self.written == 0 and isinstance(self.error, ProxyError):
+            raise self.error
+        if self.state == "failed":
+            raise DownloadFailed(self.url, self.error)
+
+    async def wait_beyond(self, pos: int) -> None:
+        """Wait until byte ``pos`` is on disk, or the download ended either way."""
+        while self.written <= pos and self.state in ("opening", "streaming"):
+            await self._wait()
+
+    async def wait_verified(self) -> None:
+        """Wait until every byte is in and verified; DownloadFailed otherwise."""
+        while not self.verified and self.state not in ("failed", "bypass"):
+            await self._wait()
+        if not self.verified:
+            raise DownloadFailed(self.url, self.error)
+
+    async def wait_finished(self) -> None:
+        while not self.finished:
+            await self._wait()
+
+    # -- readers -------------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Register a client; the shared read descriptor stays open until all release."""
+        self._refs += 1
+
+    def release(self) -> None:
+        self._refs -= 1
+        if self._refs == 0 and self._read_fd is not None:
+            fd, self._read_fd = self._read_fd, None
+            os.close(fd)
+
+    def take_bypass_body(self) -> UpstreamBody | None:
+        """The upstream body of a bypassed download, to the first client that asks."""
+        body, self._bypass_body = self._bypass_body, None
+        return body
+
+    async def stream(
+        self,
+        write: Callable[[bytes], Awaitable[None]],
+        start: int = 0,
+        end: int | None = None,
+        on_first_byte: Callable[[], None] | None = None,
+    ) -> int:
+        """Send bytes ``start..end-1`` (to the end when ``end`` is None) as they arrive.
+
+        Returns the number of bytes written. Raises DownloadFailed if the download fails
+        before the range is complete; the caller must then abort its connection.
+        """
+        loop = asyncio.get_running_loop()
+        pos = start
+        first = True
+        while end is None or pos < end:
+            await self.wait_beyond(pos)
+            if self.state == "failed":
+                raise DownloadFailed(self.url, self.error)
+            avail = self.written
+            if avail <= pos:
+                # finished without more bytes: only a verified end of a whole object is clean
+                if end is None and self.verified:
+                    break
+                raise DownloadFailed(
+                    self.url, self.error or IncompleteDownloadError(self.url, avail, end)
+                )
+            stop = avail if end is None else min(avail, end)
+            n = min(READ_CHUNK, stop - pos)
+            last = (end is not None and pos + n == end and end == self.known_size) or (
+                end is None and self.state != "streaming" and pos + n == self.written
+            )
+            if last:
+                await self.wait_verified()
+            fd = self._read_fd
+            if fd is None:
+                raise DownloadFailed(self.url, RuntimeError("download file closed"))
+            data = await loop.run_in_executor(None, os.pread, fd, n, pos)
+            if not data:
+                raise DownloadFailed(self.url, IncompleteDownloadError(self.url, pos, end))
+            if first and on_first_byte is not None:
+                on_first_byte()
+                first = False
+            await write(data)
+            pos += len(data)
+            if end is None and self.verified and pos >= self.written:
+                break
+        return pos - start
+
+
+class Inflight:
+    """The downloads running in this proxy, keyed by canonical upstream URL."""
+
+    def __init__(
+        self,
+        store: Store,
+        fetcher: Fetcher,
+        metrics: ProxyMetrics,
+        *,
+        cache_size: int,
+    ) -> None:
+        self.store = store
+        self.fetcher = fetcher
+        self.metrics = metrics
+        self.cache_size = cache_size
+        self._downloads: dict[str, Download] = {}
+
+    def __len__(self) -> int:
+        return len(self._downloads)
+
+    def get(self, url: str) -> Download | None:
+        """The running download of ``url``, already acquired for the caller, or None."""
+        dl = self._downloads.get(url)
+        if dl is not None:
+            dl.acquire()
+        return dl
+
+    def start(self, url: str) -> Download:
+        """Start downloading ``url`` (caller checked it is neither cached nor running);
+        the returned download is acquired for the caller."""
+        if url in self._downloads:
+            return self.get(url)  # type: ignore[return-value]
+        dl = Download(url)
+        dl.acquire()
+        self._downloads[url] = dl
+        dl.task = asyncio.get_running_loop().create_task(self._run(dl), name=f"download {url}")
+        return dl
+
+    async def stop(self) -> None:
+        """Cancel every download (their partial files are deleted) and wait for them."""
+        tasks = [dl.task for dl in self._downloads.values() if dl.task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self, dl: Download) -> None:
+        m = self.metrics
+        m.downloads_in_progress.inc()
+        loop = asyncio.get_running_loop()
+        body: UpstreamBody | None = None
+        partial: Partial | None = None
+        wfd: int | None = None
+        try:
+            body = await self.fetcher.open(dl.url)
+            dl.size, dl.etag = body.size, body.etag
+            dl.last_modified, dl.content_type = body.last_modified, body.content_type
+            if should_admit(body.size, self.cache_size):
+                try:
+                    partial = await asyncio.to_thread(self.store.begin, dl.url, body.size)
+                except CacheError as exc:
+                    log.error("cannot cache %s, streaming it through: %s", dl.url, exc)
+            if partial is None:
+                log.info("%s not admitted (size %s), streaming through uncached", dl.url, body.size)
+                dl._bypass_body, body = body, None
+                dl.state = "bypass"
+                loop.call_later(BYPASS_CLAIM_SECONDS, self._close_unclaimed, dl)
+                return
+            dl.cached = True
+
+            def _open() -> tuple[int, int]:
+                w = os.open(partial.path, os.O_WRONLY)
+                try:
+                    r = os.open(partial.path, os.O_RDONLY)
+                except BaseException:
+                    os.close(w)
+                    raise
+                return w, r
+
+            wfd, dl._read_fd = await asyncio.to_thread(_open)
+            dl.state = "streaming"
+            dl._notify()
+            hasher = hashlib.md5(usedforsecurity=False) if body.md5 else None
+            async for chunk in body.chunks():
+                await loop.run_in_executor(None, _write_all, wfd, chunk, hasher)
+                dl.written += len(chunk)
+                dl._notify()
+                if dl.cached and body.size is None and dl.written > partial.reserved:
+                    await self._grow(dl, partial)
+            if body.size is not None and dl.written != body.size:
+                raise IncompleteDownloadError(dl.url, dl.written, body.size)
+            if hasher is not None and hasher.digest() != body.md5:
+                raise UpstreamError(f"upstream {dl.url}: MD5 checksum mismatch")
+            os.close(wfd)
+            wfd = None
+            dl.verified = True
+            dl._notify()
+            if dl.cached:
+                try:
+                    dl.entry = await asyncio.to_thread(
+                        self.store.commit,
+                        partial,
+                        dl.written,
+                        etag=dl.etag,
+                        last_modified=dl.last_modified,
+                        content_type=dl.content_type,
+                    )
+                except CacheError as exc:  # the bytes sent were right; only caching failed
+                    log.error("could not commit %s: %s", dl.url, exc)
+                partial = None
+            dl.state = "done"
+            log.info("downloaded %s (%d bytes)", dl.url, dl.written)
+        except asyncio.CancelledError:
+            dl.error = UpstreamError(f"{dl.url}: download cancelled (shutting down)")
+            dl.state = "failed"
+            raise
+        except Exception as exc:
+            dl.error = exc
+            dl.state = "failed"
+            if dl.written or isinstance(exc, IncompleteDownloadError):
+                m.failed_downloads.inc()
+                log.warning("download of %s failed after %d bytes: %s", dl.url, dl.written, exc)
+            elif not isinstance(exc, ProxyError):
+                log.exception("download of %s failed", dl.url)
+                dl.error = UpstreamError(f"{dl.url}: {exc}")
+        finally:
+            if wfd is not None:
+                os.close(wfd)
+            if body is not None:
+                body.close()
+            if partial is not None and dl.state != "done":
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(asyncio.to_thread(self.store.abort, partial))
+            if self._downloads.get(dl.url) is dl:
+                del self._downloads[dl.url]
+            m.downloads_in_progress.dec()
+            dl._notify()
+            dl.release()
+
+    async def _grow(self, dl: Download, partial: Partial) -> None:
+        want = dl.written + GROW_STEP
+        ok = await asyncio.to_thread(self.store.grow, partial, want)
+        if not ok:
+            # Too big to keep: drop the reservation and the directory entry; the open
+            # descriptors keep the bytes readable for the clients already following.
+            log.info("%s outgrew the cache at %d bytes; finishing uncached", dl.url, dl.written)
+            await asyncio.to_thread(self.store.abort, partial)
+            dl.cached = False
+
+    def _close_unclaimed(self, dl: Download) -> None:
+        body = dl.take_bypass_body()
+        if body is not None:
+            body.close()

@@ -1,0 +1,106 @@
+"""Prometheus metrics of the proxy, in a registry per application (tests don't clash).
+
+Names (all prefixed ``shardcache_``)::
+
+    requests_total{cache,code}        requests answered, by X-Cache status and HTTP code
+    response_bytes_total{cache}       body bytes sent to clients
+    upstream_requests_total{outcome}  ok | not_found | error | timeout | resumed | aborted
+    upstream_bytes_total              body bytes received from upstreams
+    cache_size_bytes                  bytes in complete entries
+    cache_limit_bytes                 the configured bound
+    cache_entries                     complete entries
+    evictions_total                   entries evicted
+    evicted_bytes_total               bytes evicted
+    downloads_in_progress             downloads of this proxy running now
+    time_to_first_byte_seconds        from request to the first body byte sent (histogram)
+    failed_downloads_total            downloads abandoned mid-body (their clients aborted)
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["ProxyMetrics"]
+
+
+class ProxyMetrics:
+    """The proxy's counters, gauges and histogram, registered in ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "shardcache_requests_total",
+            "Requests answered, by cache status and HTTP status code.",
+            ["cache", "code"],
+            registry=r,
+        )
+        self.response_bytes = Counter(
+            "shardcache_response_bytes_total",
+            "Body bytes sent to clients, by cache status.",
+            ["cache"],
+            registry=r,
+        )
+        self.upstream_requests = Counter(
+            "shardcache_upstream_requests_total",
+            "Upstream requests by outcome (ok, not_found, error, timeout, resumed, aborted).",
+            ["outcome"],
+            registry=r,
+        )
+        self.upstream_bytes = Counter(
+            "shardcache_upstream_bytes_total", "Body bytes received from upstreams.", registry=r
+        )
+        self.cache_size = Gauge(
+            "shardcache_cache_size_bytes", "Bytes in complete cache entries.", registry=r
+        )
+        self.cache_limit = Gauge(
+            "shardcache_cache_limit_bytes", "Configured bound on cached bytes.", registry=r
+        )
+        self.cache_entries = Gauge(
+            "shardcache_cache_entries", "Number of complete cache entries.", registry=r
+        )
+        self.evictions = Counter("shardcache_evictions_total", "Cache entries evicted.", registry=r)
+        self.evicted_bytes = Counter(
+            "shardcache_evicted_bytes_total", "Bytes of evicted cache entries.", registry=r
+        )
+        self.downloads_in_progress = Gauge(
+            "shardcache_downloads_in_progress", "Upstream downloads running now.", registry=r
+        )
+        self.ttfb = Histogram(
+            "shardcache_time_to_first_byte_seconds",
+            "Time from request to the first body byte sent.",
+            ["cache"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.failed_downloads = Counter(
+            "shardcache_failed_downloads_total",
+            "Downloads abandoned mid-body; their clients' connections were aborted.",
+            registry=r,
+        )
+        # plain in-process tallies for /-/stats
+        self.hits = 0
+        self.misses = 0
+
+    def observe_upstream(self, outcome: str) -> None:
+        self.upstream_requests.labels(outcome=outcome).inc()
+
+    def observe_request(self, cache: str, code: int, nbytes: int) -> None:
+        self.requests.labels(cache=cache, code=str(code)).inc()
+        if nbytes:
+            self.response_bytes.labels(cache=cache).inc(nbytes)
+        if cache == "HIT":
+            self.hits += 1
+        elif cache in ("MISS", "COALESCED", "BYPASS"):
+            self.misses += 1
+
+    def total_response_bytes(self) -> int:
+        total = 0.0
+        for metric in self.response_bytes.collect():
+            for s in metric.samples:
+                if s.name.endswith("_total"):
+                    total += s.value
+        return int(total)
+
+    def total_upstream_bytes(self) -> int:
+        return int(self.upstream_bytes._value.get())

@@ -1,0 +1,409 @@
+"""Pure decisions of the proxy: no I/O, no clock, no event loop.
+
+Everything the request handlers must *decide* lives here and is tested directly: size
+parsing, mapping a request path to an upstream URL, Range parsing and clipping (RFC 9110
+§14), conditional requests (RFC 9110 §13), hop-by-hop header filtering and admission.
+The handlers in :mod:`proxy.app` only carry out the answers.
+
+Range choices (documented behaviour):
+
+* A single byte range whose end lies past the object is clipped to the object: ``206``.
+  Only a first byte at or past the end (or a zero-length suffix, or any range on an empty
+  object) is unsatisfiable: ``416`` with ``Content-Range: bytes */size``.
+* A syntactically invalid byte range (``bytes=5-3``, ``bytes=x-``) is answered ``416``.
+* A multi-range request (``bytes=0-9,20-29``) is answered ``200`` with the full object;
+  RFC 9110 §14.2 lets a server ignore Range, and no shard reader asks for several ranges.
+* A Range in another unit than ``bytes`` is ignored (``200``).
+* While the size of a download is still unknown (chunked upstream), Range is ignored.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from urllib.parse import quote, unquote, urlsplit
+
+from shardcache.errors import BadRequest, Forbidden, NotFound, RangeNotSatisfiable
+
+__all__ = [
+    "ByteRange",
+    "Upstream",
+    "parse_size",
+    "format_size",
+    "parse_range",
+    "range_applies",
+    "conditional_status",
+    "map_request",
+    "map_url",
+    "end_to_end_headers",
+    "should_admit",
+]
+
+# ---------------------------------------------------------------------------------------
+# sizes
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_UNITS: dict[str, int] = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgtpe", start=1):
+    _UNITS[_p] = 1000**_i
+    _UNITS[_p + "b"] = 1000**_i
+    _UNITS[_p + "i"] = 1024**_i
+    _UNITS[_p + "ib"] = 1024**_i
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte count: ``"500G"``, ``"1.5T"``, ``"10MiB"``, ``"4096"``.
+
+    Suffixes K, M, G, T, P, E (optionally followed by ``B``) are powers of 1000; ``Ki``,
+    ``Mi``, ``Gi``… (optionally ``KiB``…) are powers of 1024. Case is ignored. The result
+    is rounded down to whole bytes. Raises ValueError naming the bad text.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"not a size: {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must not be negative: {text}")
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"not a size: {text!r} (expected e.g. 500G, 1.5T, 10MiB or bytes)")
+    number, unit = m.groups()
+    factor = _UNITS.get(unit.lower())
+    if factor is None:
+        raise ValueError(f"unknown size unit {unit!r} in {text!r}")
+    value = float(number) * factor
+    if not math.isfinite(value):
+        raise ValueError(f"size too large: {text!r}")
+    return int(value)
+
+
+def format_size(n: int) -> str:
+    """Format a byte count for humans (``1.5 GiB``)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(value) < 1024 or unit == "PiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+# ---------------------------------------------------------------------------------------
+# ranges
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """An inclusive byte range ``start..end`` of an object of ``size`` bytes."""
+
+    start: int
+    end: int
+    size: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start + 1
+
+    @property
+    def content_range(self) -> str:
+        return f"bytes {self.start}-{self.end}/{self.size}"
+
+    @property
+    def reaches_end(self) -> bool:
+        return self.end == self.size - 1
+
+
+_SPEC_RE = re.compile(r"^\s*([0-9]*)\s*-\s*([0-9]*)\s*$")
+
+
+def parse_range(header: str | None, size: int) -> ByteRange | None:
+    """Decide what a ``Range`` header asks of an object of ``size`` bytes.
+
+    Returns None to serve the whole object (no Range, another unit, or several ranges),
+    a clipped :class:`ByteRange` for a satisfiable single range, and raises
+    :class:`RangeNotSatisfiable` (416) for an unsatisfiable or invalid byte range.
+    """
+    if header is None:
+        return None
+    unit, sep, spec = header.strip().partition("=")
+    if not sep or unit.strip().lower() != "bytes":
+        return None
+    if "," in spec:
+        return None
+    m = _SPEC_RE.match(spec)
+    if not m or (not m.group(1) and not m.group(2)):
+        raise RangeNotSatisfiable(f"invalid range {header.strip()!r}")
+    first, last = m.groups()
+    if not first:  # suffix range: the last N bytes
+        n = int(last)
+        if n == 0 or size == 0:
+            raise RangeNotSatisfiable(f"range {header.strip()!r} not satisfiable for {size} bytes")
+        return ByteRange(max(0, size - n), size - 1, size)
+    start = int(first)
+    if last:
+        end = int(last)
+        if end < start:
+            raise RangeNotSatisfiable(f"invalid range {header.strip()!r}: end before start")
+    else:
+        end = size - 1
+    if start >= size:
+        raise RangeNotSatisfiable(f"range {header.strip()!r} starts past the end ({size} bytes)")
+    return ByteRange(start, min(end, size - 1), size)
+
+
+def _parse_http_date(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    try:
+        dt = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if dt is None:
+        return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt
+
+
+def _etags(value: str) -> list[tuple[bool, str]]:
+    """Split an If-Match/If-None-Match list into (weak, opaque-tag) pairs; '*' kept."""
+    out: list[tuple[bool, str]] = []
+    for m in re.finditer(r'\s*(W/)?("(?:[^"]*)"|\*)\s*(?:,|$)', value):
+        out.append((m.group(1) is not None, m.group(2)))
+    return out
+
+
+def _strong(etag: str | None) -> str | None:
+    if etag is None or etag.startswith("W/"):
+        return None
+    return etag
+
+
+def _weak_value(etag: str) -> str:
+    return etag[2:] if etag.startswith("W/") else etag
+
+
+def range_applies(headers: Mapping[str, str], etag: str | None, last_modified: str | None) -> bool:
+    """RFC 9110 §13.1.5 If-Range: True when a Range header should be honoured."""
+    if_range = headers.get("If-Range")
+    if if_range is None:
+        return True
+    if_range = if_range.strip()
+    if if_range.startswith('"') or if_range.startswith("W/"):
+        strong = _strong(etag)
+        return strong is not None and not if_range.startswith("W/") and if_range == strong
+    # a date: must equal Last-Modified exactly (strong validator)
+    return last_modified is not None and if_range == last_modified.strip()
+
+
+def conditional_status(
+    method: str, headers: Mapping[str, str], etag: str | None, last_modified: str | None
+) -> int | None:
+    """RFC 9110 §13.2.2 evaluation order; returns 304, 412 or None (serve normally)."""
+    lm = _parse_http_date(last_modified)
+    if_match = headers.get("If-Match")
+    if if_match is not None:
+        tags = _etags(if_match)
+        strong = _strong(etag)
+        ok = any(t == "*" for _, t in tags) or (
+            strong is not None and any(not w and t == strong for w, t in tags)
+        )
+        if not ok:
+            return 412
+    else:
+        ius = _parse_http_date(headers.get("If-Unmodified-Since"))
+        if ius is not None and lm is not None and lm > ius:
+            return 412
+    if_none_match = headers.get("If-None-Match")
+    if if_none_match is not None:
+        tags = _etags(if_none_match)
+        if any(t == "*" for _, t in tags) or (
+            etag is not None and any(t == _weak_value(etag) for _, t in tags)
+        ):
+            return 304 if method in ("GET", "HEAD") else 412
+    elif method in ("GET", "HEAD"):
+        ims = _parse_http_date(headers.get("If-Modified-Since"))
+        if ims is not None and lm is not None and lm <= ims:
+            return 304
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# URL mapping
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """An upstream base URL, optionally mounted under ``/<name>/``."""
+
+    name: str | None
+    base: str  # no trailing slash; scheme http, https or file
+
+    def __str__(self) -> str:
+        return f"{self.name}={self.base}" if self.name else self.base
+
+
+_SEGMENT_SAFE = "!$&'()*+,;=:@~"
+_ABSOLUTE_RE = re.compile(r"^/(https?):/{1,2}(.*)$", re.IGNORECASE | re.DOTALL)
+
+
+def _clean_segments(raw_segments: Sequence[str], what: str) -> list[str]:
+    """Percent-decode path segments and reject traversal; return re-quoted segments."""
+    out: list[str] = []
+    for raw in raw_segments:
+        seg = unquote(raw, errors="strict") if "%" in raw else raw
+        if seg in (".", ".."):
+            raise BadRequest(f"path traversal not allowed in {what}")
+        if "/" in seg or "\\" in seg:
+            raise BadRequest(f"encoded slash or backslash not allowed in {what}")
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in seg):
+            raise BadRequest(f"control character not allowed in {what}")
+        out.append(quote(seg, safe=_SEGMENT_SAFE))
+    return out
+
+
+def _host_allowed(netloc_host: str, port: int | None, allow_hosts: Iterable[str]) -> bool:
+    for allowed in allow_hosts:
+        allowed = allowed.strip().lower()
+        if not allowed:
+            continue
+        if ":" in allowed and not allowed.startswith("["):
+            host, _, p = allowed.rpartition(":")
+            if host == netloc_host and p.isdigit() and port == int(p):
+                return True
+        elif allowed == netloc_host:
+            return True
+    return False
+
+
+def map_request(
+    raw_target: str,
+    upstreams: Sequence[Upstream],
+    allow_hosts: Sequence[str] = (),
+    max_length: int = 1024,
+) -> str:
+    """Map the raw request target (path and query, still percent-encoded) to the
+    canonical upstream URL that is both fetched and used as the cache key.
+
+    ``/<path>`` goes to the unnamed upstream, ``/<name>/<path>`` to the upstream mounted as
+    ``name``, and ``/http(s)://host/<path>`` to that host only if it is in ``allow_hosts``.
+    Raises BadRequest (traversal, NUL or control characters, over-long, malformed),
+    Forbidden (a host not allowed) or NotFound (no upstream serves the path).
+    """
+    if len(raw_target) > max_length:
+        raise BadRequest(f"request path longer than {max_length} characters")
+    if "\x00" in raw_target or "%00" in raw_target:
+        raise BadRequest("NUL byte not allowed in path")
+    if not raw_target.startswith("/"):
+        raise BadRequest("request target must be an absolute path")
+    path, _, query = raw_target.partition("?")
+    path = path.partition("#")[0]
+    try:
+        m = _ABSOLUTE_RE.match(path)
+        if m:
+            return _map_absolute(m.group(1).lower(), m.group(2), query, allow_hosts)
+        segments = path[1:].split("/")
+        if segments and segments[-1] == "":
+            segments = segments[:-1]
+        clean = _clean_segments(segments, "path")
+    except UnicodeDecodeError as exc:
+        raise BadRequest("path is not valid percent-encoded UTF-8") from exc
+    if not clean or any(s == "" for s in clean):
+        raise NotFound("empty path segment or no shard path" if clean else "no shard path given")
+    named = {u.name: u for u in upstreams if u.name}
+    default = next((u for u in upstreams if not u.name), None)
+    if clean[0] in named and len(clean) > 1:
+        base, rest = named[clean[0]].base, clean[1:]
+    elif default is not None:
+        base, rest = default.base, clean
+    else:
+        raise NotFound(f"no upstream serves /{'/'.join(clean)}")
+    url = base + "/" + "/".join(rest)
+    return url + ("?" + query if query else "")
+
+
+def _map_absolute(scheme: str, rest: str, query: str, allow_hosts: Sequence[str]) -> str:
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        raise BadRequest("credentials not allowed in an absolute URL")
+    parts = urlsplit(f"{scheme}://{authority}")
+    try:
+        host, port = (parts.hostname or ""), parts.port
+    except ValueError as exc:
+        raise BadRequest(f"bad host in absolute URL: {authority!r}") from exc
+    if not host:
+        raise BadRequest("absolute URL without a host")
+    if not _host_allowed(host, port, allow_hosts):
+        raise Forbidden(f"host {host} is not allowed (see --allow-host)")
+    segments = path.split("/") if slash else []
+    if segments and segments[-1] == "":
+        segments = segments[:-1]
+    clean = _clean_segments(segments, "path")
+    if not clean or any(s == "" for s in clean):
+        raise NotFound("no shard path given in absolute URL")
+    netloc = host if port is None else f"{host}:{port}"
+    url = f"{scheme}://{netloc}/" + "/".join(clean)
+    return url + ("?" + query if query else "")
+
+
+def map_url(
+    url: str, upstreams: Sequence[Upstream], allow_hosts: Sequence[str] = (), max_length: int = 1024
+) -> str:
+    """Canonicalise a URL or proxy path given to an admin route (prefetch, purge).
+
+    A proxy path (``/shard.tar``) is mapped like a request; an absolute URL must lie under
+    a configured upstream or on an allowed host, otherwise Forbidden (never an open proxy).
+    """
+    if url.startswith("/"):
+        return map_request(url, upstreams, allow_hosts, max_length)
+    for u in upstreams:
+        if url.startswith(u.base + "/"):
+            rest = url[len(u.base) :]
+            prefix = f"/{u.name}" if u.name else ""
+            return map_request(prefix + rest, upstreams, allow_hosts, max_length + len(prefix))
+    if re.match(r"^https?://", url, re.IGNORECASE):
+        return map_request("/" + url, upstreams, allow_hosts, max_length + 1)
+    raise Forbidden(f"{url} is not under a configured upstream")
+
+
+# ---------------------------------------------------------------------------------------
+# headers and admission
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+
+
+def end_to_end_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Drop hop-by-hop headers (RFC 9110 §7.6.1), including those named in Connection."""
+    items = list(headers)
+    named = {
+        token.strip().lower()
+        for k, v in items
+        if k.lower() == "connection"
+        for token in v.split(",")
+        if token.strip()
+    }
+    return [(k, v) for k, v in items if k.lower() not in HOP_BY_HOP and k.lower() not in named]
+
+
+def should_admit(expected_size: int | None, cache_size: int) -> bool:
+    """May a download of ``expected_size`` bytes become an entry at all?
+
+    A shard larger than the whole cache is streamed through uncached. Whether there is
+    room right now (eviction, the ``keep`` policy) is the store's decision.
+    """
+    return expected_size is None or expected_size <= cache_size
