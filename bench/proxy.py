@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -433,12 +434,113 @@ class Transfer:
     total: float
 
 
-def run_clients(plan: list[list[str]], sizes: dict[str, int], timeout: float) -> dict:
-    """One curl per client fetching its URLs in turn; returns wall time, bytes, TTFBs.
-    Raises if any transfer has the wrong status or length."""
+class HttpConn:
+    """A minimal HTTP/1.1 client connection that discards bodies into one reused buffer
+    (``recv_into`` of up to 1 MiB at a time, the GIL released while it waits)."""
+
+    def __init__(self, host: str, port: int, timeout: float) -> None:
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.sock.settimeout(timeout)
+        self.pending = b""
+        self.buf = bytearray(1 << 20)
+        self.view = memoryview(self.buf)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _line(self) -> bytes:
+        while b"\r\n" not in self.pending:
+            more = self.sock.recv(65536)
+            if not more:
+                raise ConnectionError("connection closed in headers")
+            self.pending += more
+        line, _, self.pending = self.pending.partition(b"\r\n")
+        return line
+
+    def _discard(self, n: int, first: list[float]) -> int:
+        """Read and drop exactly n body bytes; note the time of the first one."""
+        got = 0
+        if self.pending:
+            take = min(n, len(self.pending))
+            self.pending = self.pending[take:]
+            got = take
+            if take and not first:
+                first.append(time.monotonic())
+        while got < n:
+            k = self.sock.recv_into(self.view, min(len(self.buf), n - got))
+            if not k:
+                raise ConnectionError(f"connection closed after {got} of {n} body bytes")
+            if not first:
+                first.append(time.monotonic())
+            got += k
+        return got
+
+    def get(self, path: str) -> tuple[int, int, float | None]:
+        """(status, body bytes, monotonic time of the first body byte)."""
+        req = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: bench\r\n\r\n"
+        self.sock.sendall(req.encode())
+        status = int(self._line().split()[1])
+        headers = {}
+        while line := self._line():
+            k, _, v = line.decode("latin-1").partition(":")
+            headers[k.strip().lower()] = v.strip()
+        first: list[float] = []
+        if "content-length" in headers:
+            n = self._discard(int(headers["content-length"]), first)
+        elif headers.get("transfer-encoding", "").lower() == "chunked":
+            n = 0
+            while True:
+                size = int(self._line().split(b";")[0], 16)
+                if size == 0:
+                    while self._line():  # trailers
+                        pass
+                    break
+                n += self._discard(size, first)
+                self._line()
+        else:
+            raise ConnectionError(f"{path}: neither Content-Length nor chunked")
+        return status, n, first[0] if first else None
+
+
+def _socket_client(urls: list[str], timeout: float, out: list, errors: list) -> None:
+    conn = None
+    try:
+        for url in urls:
+            parts = urllib.parse.urlsplit(url)
+            t0 = time.monotonic()
+            if conn is None:
+                conn = HttpConn(parts.hostname or "127.0.0.1", parts.port or 80, timeout)
+            code, n, first = conn.get(parts.path)
+            t1 = time.monotonic()
+            out.append(Transfer(url, code, n, (first or t1) - t0, t1 - t0))
+    except Exception as exc:  # reported by the caller, which raises
+        errors.append(f"{urls}: {type(exc).__name__}: {exc}")
+    finally:
+        if conn is not None:
+            conn.close()
+
+
+def _socket_transfers(plan: list[list[str]], timeout: float) -> tuple[list, list]:
+    transfers: list[Transfer] = []
+    errors: list[str] = []
+    threads = [
+        threading.Thread(target=_socket_client, args=(urls, timeout, transfers, errors))
+        for urls in plan
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout + 5
+    for t in threads:
+        t.join(max(0.1, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        errors.append("client threads still running after the timeout")
+    return transfers, errors
+
+
+def _curl_transfers(plan: list[list[str]], timeout: float) -> tuple[list, list]:
     fmt = "%{url_effective} %{http_code} %{size_download} %{time_starttransfer} %{time_total}\\n"
-    procs = []
     t0 = time.monotonic()
+    procs = []
     for urls in plan:
         argv = [CURL, "-sS", "--max-time", str(int(timeout)), "-w", fmt]
         for u in urls:
@@ -462,6 +564,20 @@ def run_clients(plan: list[list[str]], sizes: dict[str, int], timeout: float) ->
             if p.poll() is None:
                 p.kill()
                 p.wait(5)
+    return transfers, errors
+
+
+def run_clients(
+    plan: list[list[str]], sizes: dict[str, int], timeout: float, kind: str = "socket"
+) -> dict:
+    """Each client fetches its URLs in turn over one connection, all clients at once.
+    Returns wall time, bytes, GB/s and TTFBs; raises if any transfer has the wrong status
+    or length."""
+    t0 = time.monotonic()
+    if kind == "curl":
+        transfers, errors = _curl_transfers(plan, timeout)
+    else:
+        transfers, errors = _socket_transfers(plan, timeout)
     wall = time.monotonic() - t0
     for t in transfers:
         want = sizes[t.url.rsplit("/", 1)[1]]
@@ -638,7 +754,7 @@ def bench(args: argparse.Namespace, tmp: Path, procs: Procs) -> dict:
     # -- 1 warm ---------------------------------------------------------------------------
     say("filling caches for the warm rounds")
     for label, s in caches.items():
-        run_clients(plans[label], sizes, timeout)
+        run_clients(plans[label], sizes, timeout, args.client)
         h = http_headers(f"{s.base}/{shard_names[0]}")
         status = h.get("X-Cache") or h.get("X-Cache-Status")
         if status != "HIT":
@@ -646,7 +762,7 @@ def bench(args: argparse.Namespace, tmp: Path, procs: Procs) -> dict:
     warm: dict[str, list[float]] = {k: [] for k in tp_servers}
     for r in range(args.rounds):
         for label in rotated(list(tp_servers), r):
-            m = run_clients(plans[label], sizes, timeout)
+            m = run_clients(plans[label], sizes, timeout, args.client)
             warm[label].append(m["gbps"])
             say(f"  warm round {r + 1} {label:28s} {m['gbps']:6.2f} GB/s  ({m['wall']:.2f} s)")
     res["warm"] = {k: {"rounds": v, "median_gbps": median(v)} for k, v in warm.items()}
@@ -659,7 +775,7 @@ def bench(args: argparse.Namespace, tmp: Path, procs: Procs) -> dict:
             s = caches[label]
             s.restart_cold()
             off = log_size(access_log)
-            m = run_clients(plans[label], sizes, timeout)
+            m = run_clients(plans[label], sizes, timeout, args.client)
             time.sleep(0.2)
             up = sum(log_bytes(access_log, off, n) for n in shard_names)
             cold[label].append(m["gbps"])
@@ -691,7 +807,7 @@ def bench(args: argparse.Namespace, tmp: Path, procs: Procs) -> dict:
             pid = s.pid
             sampler = RssSampler(pid) if isinstance(s, ShardcacheServer) and pid else None
             with sampler or contextlib.nullcontext():
-                m = run_clients(plan, sizes, timeout)
+                m = run_clients(plan, sizes, timeout, args.client)
             time.sleep(0.3)
             up = log_bytes(access_log, off, big)
             b = big_res[label]
@@ -850,6 +966,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--varnish-storage", default="malloc,1G", help="varnishd -s (malloc,1G)")
     p.add_argument("--no-nginx", action="store_true", help="act as if nginx were missing")
     p.add_argument("--no-varnish", action="store_true", help="act as if varnishd were missing")
+    p.add_argument(
+        "--client",
+        choices=("socket", "curl"),
+        default="socket",
+        help="socket: threads with a minimal HTTP/1.1 client (default, lighter); "
+        "curl: one curl process per client",
+    )
     p.add_argument("--timeout", type=float, default=300, help="bound on each client run, s")
     p.add_argument("--dir", default=None, help="parent of the temporary directory")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
