@@ -22,7 +22,9 @@ Every contender runs once per round, in turn, with the order alternating between
 Proxy variants (``--variants``): ``default`` runs ``python -m shardcache serve`` as is
 (it uses uvloop when importable); ``asyncio`` hides uvloop from it; ``uvloop`` requires
 it; a ``:N`` suffix (e.g. ``asyncio:4``) sets the proxy's read/write chunk to N MiB by
-patching its settings at startup (the proxy has no flag for it). The first variant is the
+patching its settings at startup (the proxy has no flag for it); an ``@PYTHON`` suffix
+runs that variant with another interpreter (e.g. a wrapper that sets PYTHONPATH to try a
+change side by side). The first variant is the
 one compared against the targets.
 """
 
@@ -375,14 +377,17 @@ sys.exit(main(sys.argv[1:]))
 
 class ShardcacheServer(Server):
     def __init__(self, procs: Procs, tmp: Path, upstream: str, variant: str, python: str):
+        variant, _, python_override = variant.partition("@")
         mode, _, chunk = variant.partition(":")
+        if python_override:
+            variant = f"{variant}@{python_override}"
         if mode not in ("default", "asyncio", "uvloop"):
             raise SystemExit(f"--variants: unknown variant {variant!r}")
         super().__init__(f"shardcache[{variant}]", procs, tmp)
         self.upstream = upstream
         self.mode = mode
         self.chunk = int(float(chunk) * MIB) if chunk else 0
-        self.python = python
+        self.python = python_override or python
         self.port = free_port()
 
     def start(self) -> None:
@@ -960,7 +965,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--variants",
         default="default",
         help="proxy variants, comma separated: default, asyncio, uvloop, with optional "
-        ":MiB chunk size (e.g. asyncio:4); the first is compared to the targets",
+        ":MiB chunk size (e.g. asyncio:4) and @PYTHON interpreter; the first is compared to the targets",
     )
     p.add_argument("--nginx-workers", type=int, default=1, help="nginx worker_processes (1)")
     p.add_argument("--varnish-storage", default="malloc,1G", help="varnishd -s (malloc,1G)")
