@@ -303,14 +303,11 @@ class AiohttpOrigin(Server):
             "import sys\n"
             "from aiohttp import web\n"
             "log = open(sys.argv[3], 'a', buffering=1)\n"
-            "@web.middleware\n"
-            "async def count(request, handler):\n"
-            "    resp = await handler(request)\n"
-            "    await resp.prepare(request)\n"
+            "async def count(request, resp):\n"
             "    n = resp.content_length if request.method == 'GET' else 0\n"
             "    log.write(f'{request.path_qs} {resp.status} {n or 0} -\\n')\n"
-            "    return resp\n"
-            "app = web.Application(middlewares=[count])\n"
+            "app = web.Application()\n"
+            "app.on_response_prepare.append(count)\n"
             "app.router.add_static('/', sys.argv[1])\n"
             "web.run_app(app, host='127.0.0.1', port=int(sys.argv[2]), print=None,\n"
             "            access_log=None)\n"
@@ -457,6 +454,7 @@ class HttpConn:
         self.sock = socket.create_connection((host, port), timeout=timeout)
         self.sock.settimeout(timeout)
         self.pending = b""
+        self.closing = False
         self.buf = bytearray(1 << 20)
         self.view = memoryview(self.buf)
 
@@ -514,6 +512,7 @@ class HttpConn:
                 self._line()
         else:
             raise ConnectionError(f"{path}: neither Content-Length nor chunked")
+        self.closing = headers.get("connection", "").lower() == "close"
         return status, n, first[0] if first else None
 
 
@@ -528,6 +527,9 @@ def _socket_client(urls: list[str], timeout: float, out: list, errors: list) -> 
             code, n, first = conn.get(parts.path)
             t1 = time.monotonic()
             out.append(Transfer(url, code, n, (first or t1) - t0, t1 - t0))
+            if conn.closing:
+                conn.close()
+                conn = None
     except Exception as exc:  # reported by the caller, which raises
         errors.append(f"{urls}: {type(exc).__name__}: {exc}")
     finally:
@@ -887,7 +889,7 @@ def table(res: dict, big_clients: int) -> list[list[str]]:
                 f"{label}, {res['config']['clients']} clients",
                 f"{mine:.2f} GB/s",
                 f"nginx {fmt(theirs, '.2f')} GB/s" if ngx else "nginx missing",
-                fmt(r, ".2f") + "x",
+                "-" if r is None else f"{r:.2f}x",
                 f">= {target:.1f}x",
                 verdict(None if r is None else r >= target),
             ]
@@ -919,7 +921,7 @@ def table(res: dict, big_clients: int) -> list[list[str]]:
             "3 wall time",
             f"{bh['wall']:.2f} s",
             f"varnish {b[var]['wall']:.2f} s" if var else "varnish missing",
-            fmt(wr, ".2f") + "x",
+            "-" if wr is None else f"{wr:.2f}x",
             "<= 1.00x",
             verdict(None if wr is None else wr <= 1.0),
         ]
