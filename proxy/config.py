@@ -130,7 +130,7 @@ def _parse_upstream(value: str) -> Upstream:
         try:
             parse_s3_url(url)
         except BadRequest as exc:
-            raise ConfigError("--upstream", f"{value!r}: {exc}") from None
+            raise ConfigError("--upstream", str(exc)) from None
         if parts.query or parts.fragment:
             raise ConfigError("--upstream", f"{value!r}: no query or fragment allowed")
         return Upstream(name, url.rstrip("/"))
