@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=50.0, help="origin MB/s per connection")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warm-rounds", type=int, default=5)
+    ap.add_argument("--parallel", default="8", help="--parallel of the S3 proxy (default 8)")
+    ap.add_argument("--part-size", default="8MiB", help="--part-size of the S3 proxy")
     ap.add_argument("--_origin", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._origin:
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             s3.create_bucket(Bucket=BUCKET)
             size = args.size * MIB
             s3.upload_fileobj(io.BytesIO(os.urandom(size)), BUCKET, KEY)
+            s3.put_object(Bucket=BUCKET, Key="big/warmup.bin", Body=b"x")
             env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
             env.update(
                 AWS_ACCESS_KEY_ID=seaweed.access_key,
@@ -212,10 +215,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"big=s3://{BUCKET}/big",
                 "--s3-endpoint-url",
                 seaweed.endpoint_url,
+                "--parallel",
+                args.parallel,
+                "--part-size",
+                args.part_size,
                 *common,
                 env=env,
             ).start()
             procs.append(proxy)
+            # The daemon is long-lived: its S3 client is up before the first shard.
+            http_read(proxy.port, "/big/warmup.bin")
 
             def via_proxy() -> float:
                 purge(proxy)
