@@ -68,11 +68,22 @@ def http_read(port: int, path: str) -> int:
     return n
 
 
-def purge(proxy: ProxyProcess) -> None:
-    req = urllib.request.Request(
-        proxy.url + "/-/cache", method="DELETE", headers={"Authorization": f"Bearer {TOKEN}"}
-    )
-    urllib.request.urlopen(req, timeout=30).read()
+def purge(proxy: ProxyProcess, path: str) -> None:
+    """Drop ``path`` from the cache once its download is committed (bounded wait), so the
+    next read is cold again."""
+    import json
+
+    deadline = time.monotonic() + 10
+    while True:
+        req = urllib.request.Request(
+            f"{proxy.url}/-/cache?url={path}",
+            method="DELETE",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            if json.loads(resp.read())["removed"] or time.monotonic() > deadline:
+                return
+        time.sleep(0.02)
 
 
 def timed(fn: Callable[[], int], size: int) -> float:
@@ -227,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
             http_read(proxy.port, "/big/warmup.bin")
 
             def via_proxy() -> float:
-                purge(proxy)
-                return timed(lambda: http_read(proxy.port, "/big/object.bin"), size)
+                mbs = timed(lambda: http_read(proxy.port, "/big/object.bin"), size)
+                purge(proxy, "/big/object.bin")
+                return mbs
 
             def direct() -> float:
                 def run() -> int:
@@ -255,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
 
             def cold(px: ProxyProcess) -> Callable[[], float]:
                 def run() -> float:
-                    purge(px)
-                    return timed(lambda: http_read(px.port, "/obj.bin"), hsize)
+                    mbs = timed(lambda: http_read(px.port, "/obj.bin"), hsize)
+                    purge(px, "/obj.bin")
+                    return mbs
 
                 return run
 
