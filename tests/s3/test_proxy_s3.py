@@ -117,6 +117,13 @@ def test_missing_key_is_404_and_not_cached(proxy, boto):
     assert _get(proxy.url + "/shards/late.tar")[::2] == (200, b"now here")
 
 
+def test_plain_get_of_an_upstream_name_keeps_the_proxys_one_line_404(proxy):
+    status, headers, body = _get(proxy.url + "/shards")
+    assert status == 404 and b"<Error>" not in body
+    status, _, body = _get(proxy.url + "/shards?list-type=2&prefix=d")
+    assert status == 200 and b"<Key>dir/x one+two.tar</Key>" in body
+
+
 def test_bad_credentials_give_403_with_a_hint(seaweed, tmp_path):
     p = _start(seaweed, tmp_path, "not-a-key", "not-a-secret")
     try:
