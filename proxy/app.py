@@ -32,6 +32,8 @@ from proxy.policy import (
     parse_range,
     range_applies,
 )
+from proxy.s3 import S3Upstream
+from proxy.s3front import S3Front
 from shardcache.errors import (
     BadRequest,
     Forbidden,
@@ -62,6 +64,7 @@ STORE = web.AppKey("store", Store)
 FETCHER = web.AppKey("fetcher", Fetcher)
 INFLIGHT = web.AppKey("inflight", Inflight)
 RUNTIME = web.AppKey("runtime", dict)
+S3_CLIENT = web.AppKey("s3_client", object)
 
 _RequestKey = getattr(web, "RequestKey", None)  # aiohttp >= 3.12
 
@@ -93,7 +96,26 @@ DEFAULT_TYPE = "application/octet-stream"
 
 def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
     """Build the proxy application for ``settings`` (store opened on startup)."""
-    app = web.Application(middlewares=[_observe], client_max_size=4 << 20)
+    s3 = None
+    if any(u.base.startswith("s3://") for u in settings.upstreams):
+        # Started lazily on first use: credentials resolve inside the running loop.
+        s3 = S3Upstream(
+            endpoint_url=settings.s3_endpoint_url,
+            region=settings.s3_region,
+            profile=settings.s3_profile,
+            connect_timeout=settings.connect_timeout,
+            read_timeout=settings.read_timeout,
+            max_connections=max(64, 2 * settings.parallel),
+        )
+    front = S3Front(
+        buckets={u.name: u.base for u in settings.upstreams if u.name},
+        s3=s3,
+        access_key=settings.s3_front_access_key,
+        secret_key=settings.s3_front_secret_key,
+        region=settings.s3_region or "us-east-1",
+    )
+    app = web.Application(middlewares=[_observe, front.middleware], client_max_size=4 << 20)
+    app[S3_CLIENT] = s3
     app[SETTINGS] = settings
     app[METRICS] = ProxyMetrics()
     app[RUNTIME] = {"ready": False, "prefetch": set(), "sendfile": sendfile}
@@ -140,6 +162,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         chunk_size=s.chunk_size,
         observe=m.observe_upstream,
         on_bytes=m.upstream_bytes.inc,
+        part_size=s.part_size,
+        parallel=s.parallel,
+        s3=app[S3_CLIENT],  # type: ignore[arg-type]
     )
     app[STORE] = store
     app[FETCHER] = fetcher

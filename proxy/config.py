@@ -17,7 +17,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from proxy.policy import Upstream, parse_size
-from shardcache.errors import ConfigError
+from proxy.s3 import parse_s3_url
+from shardcache.errors import BadRequest, ConfigError
 
 __all__ = ["Settings", "add_serve_arguments", "settings_from_args", "parse_settings", "ENV_PREFIX"]
 
@@ -48,6 +49,13 @@ class Settings:
     max_path_length: int = 1024
     prefetch_concurrency: int = 4
     chunk_size: int = 1 << 20
+    part_size: int = 8 * 1024 * 1024
+    parallel: int = 8
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
+    s3_profile: str | None = None
+    s3_front_access_key: str | None = None
+    s3_front_secret_key: str | None = None
 
 
 # (flag, dest, help, default-as-text or None)
@@ -65,6 +73,21 @@ _OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("--grace-period", "grace_period", "seconds to let responses finish on SIGTERM (default 30)"),
     ("--max-path-length", "max_path_length", "longest accepted request path (default 1024)"),
     ("--prefetch-concurrency", "prefetch_concurrency", "parallel prefetch downloads (default 4)"),
+    (
+        "--part-size",
+        "part_size",
+        "ranged part size for large objects, e.g. 8MiB; 0 disables (default 8MiB)",
+    ),
+    ("--parallel", "parallel", "concurrent ranged parts per object (default 8)"),
+    (
+        "--s3-endpoint-url",
+        "s3_endpoint_url",
+        "S3-compatible endpoint for s3:// upstreams (default AWS)",
+    ),
+    ("--s3-region", "s3_region", "S3 region (default from the AWS config)"),
+    ("--s3-profile", "s3_profile", "AWS shared-config profile for s3:// upstreams"),
+    ("--s3-front-access-key", "s3_front_access_key", "access key S3 clients must sign with"),
+    ("--s3-front-secret-key", "s3_front_secret_key", "secret key S3 clients must sign with"),
 )
 
 
@@ -75,7 +98,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         metavar="[NAME=]URL",
-        help="upstream base URL (http, https, file); NAME=URL mounts it under /NAME/; "
+        help="upstream base URL (http, https, file, s3); NAME=URL mounts it under /NAME/; "
         "repeatable (env SHARDCACHE_UPSTREAM, comma or space separated)",
     )
     parser.add_argument(
@@ -103,9 +126,18 @@ def _parse_upstream(value: str) -> Upstream:
         if not _NAME_RE.match(name):
             raise ConfigError("--upstream", f"bad upstream name {name!r} in {value!r}")
     parts = urlsplit(url)
+    if parts.scheme == "s3":
+        try:
+            parse_s3_url(url)
+        except BadRequest as exc:
+            raise ConfigError("--upstream", str(exc)) from None
+        if parts.query or parts.fragment:
+            raise ConfigError("--upstream", f"{value!r}: no query or fragment allowed")
+        return Upstream(name, url.rstrip("/"))
     if parts.scheme not in ("http", "https", "file"):
         raise ConfigError(
-            "--upstream", f"{value!r}: scheme must be http, https or file (got {parts.scheme!r})"
+            "--upstream",
+            f"{value!r}: scheme must be http, https, file or s3 (got {parts.scheme!r})",
         )
     if parts.scheme in ("http", "https") and not parts.hostname:
         raise ConfigError("--upstream", f"{value!r}: no host")
@@ -207,6 +239,28 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
     ):
         if (v := get(dest)) is not None:
             kw[dest] = _number(flag, v, kind, minimum)
+    if (v := get("part_size")) is not None:
+        try:
+            kw["part_size"] = parse_size(v)
+        except ValueError as exc:
+            raise ConfigError("--part-size", str(exc)) from None
+    if (v := get("parallel")) is not None:
+        kw["parallel"] = _number("--parallel", v, int, 1)
+    if (v := get("s3_endpoint_url")) is not None:
+        ep = urlsplit(v)
+        if ep.scheme not in ("http", "https") or not ep.hostname:
+            raise ConfigError(
+                "--s3-endpoint-url", f"must be an http(s) URL with a host (got {v!r})"
+            )
+        kw["s3_endpoint_url"] = v
+    for dest in ("s3_region", "s3_profile", "s3_front_access_key", "s3_front_secret_key"):
+        if (v := get(dest)) is not None:
+            kw[dest] = v
+    access, secret = kw.get("s3_front_access_key"), kw.get("s3_front_secret_key")
+    if access and not secret:
+        raise ConfigError("--s3-front-secret-key", "required with --s3-front-access-key")
+    if secret and not access:
+        raise ConfigError("--s3-front-access-key", "required with --s3-front-secret-key")
     return Settings(**kw)  # type: ignore[arg-type]
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import email.utils
 import logging
 import os
@@ -28,6 +29,15 @@ from urllib.parse import unquote, urlsplit
 
 import aiohttp
 
+from proxy.parts import (
+    HTTPRangedSource,
+    ObjectInfo,
+    can_fetch_in_parts,
+    info_from_headers,
+    parts_stream,
+    response_chunks,
+)
+from proxy.s3 import S3Fetcher, S3Upstream
 from shardcache._version import __version__
 from shardcache.errors import (
     Forbidden,
@@ -106,6 +116,9 @@ class Fetcher:
         chunk_size: int = 1 << 20,
         observe: Observer = _noop,
         on_bytes: Callable[[int], None] | None = None,
+        part_size: int = 0,
+        parallel: int = 1,
+        s3: S3Upstream | None = None,
     ) -> None:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
@@ -114,6 +127,23 @@ class Fetcher:
         self.chunk_size = chunk_size
         self.observe = observe
         self.on_bytes = on_bytes
+        # Parallel ranged parts: 0 or parallel 1 means one stream per object.
+        self.part_size = part_size
+        self.parallel = parallel
+        self._s3 = (
+            None
+            if s3 is None
+            else S3Fetcher(
+                s3,
+                part_size=part_size,
+                parallel=parallel,
+                retries=retries,
+                retry_backoff=retry_backoff,
+                chunk_size=chunk_size,
+                observe=observe,
+                on_bytes=on_bytes,
+            )
+        )
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -131,6 +161,9 @@ class Fetcher:
         return self._session
 
     async def close(self) -> None:
+        """Close the upstream connection pools."""
+        if self._s3 is not None:
+            await self._s3.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -142,6 +175,10 @@ class Fetcher:
             return await self._open_file(url)
         if scheme in ("http", "https"):
             return await self._open_http(url)
+        if scheme == "s3":
+            if self._s3 is None:
+                raise UpstreamError(f"{url}: no S3 client configured for s3:// upstreams")
+            return await self._s3.open(url)
         raise UpstreamError(f"{url}: unsupported upstream scheme {scheme!r}")
 
     # -- http ------------------------------------------------------------------------------
@@ -205,8 +242,37 @@ class Fetcher:
             state["resp"].close()
 
         body._close = close
-        body._iter = self._http_chunks(body, state)
+        info = info_from_headers(h)
+        if self.parallel > 1 and self.part_size > 0 and can_fetch_in_parts(info, self.part_size):
+            body._iter = self._parts(body, info, resp)
+        else:
+            body._iter = self._http_chunks(body, state)
         return body
+
+    async def _parts(
+        self, body: UpstreamBody, info: ObjectInfo, resp: aiohttp.ClientResponse
+    ) -> AsyncIterator[bytes]:
+        """The body as parallel ranged parts; the first GET's response serves part one."""
+        stream = parts_stream(
+            HTTPRangedSource(self.session, body.url, chunk_size=self.chunk_size),
+            info,
+            part_size=self.part_size,
+            parallel=self.parallel,
+            retries=self.retries,
+            backoff=self.retry_backoff,
+            initial=response_chunks(resp, self.chunk_size),
+            on_bytes=self.on_bytes,
+        )
+        pos = 0
+        try:
+            async with contextlib.aclosing(stream):
+                async for chunk in stream:
+                    pos += len(chunk)
+                    yield chunk
+        except (ProxyError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            self.observe("aborted")
+            log.warning("upstream %s: ranged fetch failed at byte %d: %s", body.url, pos, exc)
+            raise IncompleteDownloadError(body.url, pos, body.size) from exc
 
     async def _http_chunks(self, body: UpstreamBody, state: dict) -> AsyncIterator[bytes]:
         pos = 0

@@ -614,9 +614,9 @@ class S3Fetcher:
             content_type=info.content_type,
         )
         first = resp.iter_chunks(self.chunk_size)
-        if can_fetch_in_parts(info, self.part_size):
+        if self.parallel > 1 and self.part_size > 0 and can_fetch_in_parts(info, self.part_size):
             source = S3RangedSource(self.s3, url, self.chunk_size, quoted=True)
-            body._iter = parts_stream(
+            stream = parts_stream(
                 source,
                 info,
                 part_size=self.part_size,
@@ -626,6 +626,7 @@ class S3Fetcher:
                 initial=first,
                 on_bytes=self.on_bytes,
             )
+            body._iter = self._in_parts(url, info, stream)
         else:
             body._iter = self._resuming(url, info, first)
         state = {"closed": False}
@@ -637,6 +638,21 @@ class S3Fetcher:
 
         body._close = close
         return body
+
+    async def _in_parts(
+        self, url: str, info: ObjectInfo, stream: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
+        """Chunks of a parallel ranged fetch; a failure becomes IncompleteDownloadError."""
+        pos = 0
+        try:
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                async for chunk in stream:
+                    pos += len(chunk)
+                    yield chunk
+        except (ProxyError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            self.observe("aborted")
+            log.warning("%s: ranged fetch failed at byte %d: %s", url, pos, exc)
+            raise IncompleteDownloadError(url, pos, info.size) from exc
 
     async def _resuming(
         self, url: str, info: ObjectInfo, first: AsyncIterator[bytes]

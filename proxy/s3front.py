@@ -373,6 +373,13 @@ class S3Front:
         s3ish = is_s3_request(request.headers, request.query)
         if target.kind == "other" or (target.kind == "service" and not s3ish):
             return await handler(request)
+        if (
+            target.kind == "bucket"
+            and not s3ish
+            and request.method == "GET"
+            and "list-type" not in request.query
+        ):
+            return await handler(request)  # a plain client's GET /NAME: the proxy's own 404
         request_id = uuid.uuid4().hex[:16].upper()
         resource = request.path
         try:

@@ -263,6 +263,10 @@ def gopen(
       :class:`HTTPStatusError`, a body shorter than Content-Length raises on read;
     - ``pipe:CMD``: the output (``"rb"``) or input (``"wb"``) of the shell command CMD;
       a non-zero exit raises (see :class:`Pipe`); ``timeout`` bounds the wait at close;
+    - ``s3://bucket/key``: reading only, directly with boto3 (the ``s3`` extra:
+      ``pip install 'shardcache[s3]'``); endpoint, region and credentials from the standard
+      AWS chain (``AWS_ENDPOINT_URL_S3``, ``AWS_PROFILE``, ``AWS_ACCESS_KEY_ID``...). To
+      read through a proxy, rewrite the URL with :func:`shardcache.proxied` first;
     - ``-``: standard input or output.
 
     Every error is a :class:`GopenError` (alias ``GopenException``) naming the URL.
@@ -292,6 +296,13 @@ def gopen(
         if mode == "rb":
             return io.BufferedReader(pipe, size)
         return io.BufferedWriter(pipe, size)
+    if scheme == "s3":
+        from shardcache.s3 import open_s3
+
+        try:
+            return open_s3(url, mode, bufsize)
+        except ImportError as exc:
+            raise GopenError(url, str(exc)) from exc
     raise GopenError(
-        url, f"no handler for URL scheme {scheme!r} (use a path, file, http, https or pipe:)"
+        url, f"no handler for URL scheme {scheme!r} (use a path, file, http, https, s3 or pipe:)"
     )

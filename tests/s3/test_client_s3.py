@@ -44,3 +44,31 @@ def test_short_body_is_an_error():
     raw = _S3Raw("s3://b/k", io.BytesIO(b"abc"), size=5)
     with pytest.raises(GopenError, match="ended after 3 of 5"):
         io.BufferedReader(raw).read()
+
+
+def test_gopen_opens_s3_urls_with_boto3(seaweed, aws_env):
+    from shardcache.gopen import gopen
+
+    aws_env.setenv("AWS_ACCESS_KEY_ID", seaweed.access_key)
+    aws_env.setenv("AWS_SECRET_ACCESS_KEY", seaweed.secret_key)
+    aws_env.setenv("AWS_ENDPOINT_URL_S3", seaweed.endpoint_url)
+    aws_env.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    with gopen(f"s3://{BUCKET}/shards/small.tar") as f:
+        assert f.read() == OBJECTS["shards/small.tar"]
+    with pytest.raises(GopenError, match="NoSuchKey"):
+        gopen(f"s3://{BUCKET}/shards/absent.tar")
+    with pytest.raises(GopenError, match="only 'rb'"):
+        gopen(f"s3://{BUCKET}/shards/new.tar", "wb")
+
+
+def test_gopen_s3_without_boto3_names_the_extra(monkeypatch):
+    import sys
+
+    from shardcache import s3 as s3mod
+    from shardcache.gopen import gopen
+
+    monkeypatch.setitem(sys.modules, "boto3", None)  # fault: the s3 extra is not installed
+    monkeypatch.setattr(s3mod, "_clients", {})
+    with pytest.raises(GopenError, match=r"shardcache\[s3\]") as ei:
+        gopen("s3://some-bucket/x.tar")
+    assert "s3://some-bucket/x.tar" in str(ei.value)
