@@ -117,6 +117,17 @@ def _read_pass(label: str, urls: list[str], out: TextIO) -> tuple[int, int, floa
     return n, nbytes, time.monotonic() - t0
 
 
+def _wait_committed(proxy_url: str, timeout: float = 30.0) -> None:
+    """Wait until the proxy has no download in flight: a reader can hold a shard's last
+    byte a moment before the proxy has verified and committed it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{proxy_url}/-/stats", timeout=10) as r:
+            if json.load(r)["in_flight"] == 0:
+                return
+        time.sleep(0.02)
+
+
 def proxy_demo(
     shards: int = 8,
     samples: int = 200,
@@ -145,6 +156,8 @@ def proxy_demo(
                 ]
                 results = {}
                 for label in ("cold", "warm"):
+                    if label == "warm":
+                        _wait_committed(proxy_url)
                     n, nbytes, secs = _read_pass(label, urls, out)
                     results[label] = (n, nbytes)
                     print(
