@@ -1,6 +1,9 @@
 # The two commands that work on a fresh machine: `make demo` and `make test`.
 PYTHON ?= python3
 VENV := .venv
+# A CPU build of torch shipped on the machine, if any: the DataLoader tests use it
+# (they skip with a message without torch).
+TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-*+cpu-cp311-*.whl))
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
@@ -14,6 +17,9 @@ $(VENV)/.installed: pyproject.toml
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(PIP) install --quiet -e '.[test]'
+	@if [ -n "$(TORCH_WHEEL)" ]; then \
+	  $(PIP) install --quiet "$(TORCH_WHEEL)" || echo "torch wheel not installable here: torch tests skip"; \
+	fi
 	touch $@
 
 demo: $(VENV)/.installed
