@@ -207,6 +207,18 @@ _SCHEMAS: dict[bytes, tuple[tuple[str, ...], tuple[int, ...], struct.Struct]] = 
 _SCHEMA_CACHE_MAX = 1024
 
 
+def _encode_field(name: str, value: Any) -> tuple[bytes, int]:
+    """A sample field's stored bytes and kind: bytes and str as they are, else a record."""
+    kind = type(value)
+    if kind is bytes:
+        return value, _BYTES
+    if kind is str:
+        return value.encode("utf-8", "surrogatepass"), _STR
+    parts: list[bytes] = []
+    _encode(value, parts, repr(name), 1)
+    return b"".join(parts), _VALUE
+
+
 def _encode_sample(sample: dict, out: list[bytes]) -> None:
     schema: list[bytes] = []
     lengths: list[int] = []
@@ -218,15 +230,7 @@ def _encode_sample(sample: dict, out: list[bytes]) -> None:
                 " dicts with str keys only"
             )
         kdata = key.encode("utf-8", "surrogatepass")
-        kind = type(value)
-        if kind is bytes:
-            vdata, code = value, _BYTES
-        elif kind is str:
-            vdata, code = value.encode("utf-8", "surrogatepass"), _STR
-        else:
-            parts: list[bytes] = []
-            _encode(value, parts, repr(key), 1)
-            vdata, code = b"".join(parts), _VALUE
+        vdata, code = _encode_field(key, value)
         schema.append(_KEYHEAD.pack(len(kdata), code))
         schema.append(kdata)
         lengths.append(len(vdata))
@@ -481,14 +485,7 @@ def safe_encode_row(sample: Any) -> Row:
         elif kind is str and name == "__url__":
             code = _FROM_URL
         else:
-            if kind is bytes:
-                vdata, code = value, _BYTES
-            elif kind is str:
-                vdata, code = value.encode("utf-8", "surrogatepass"), _STR
-            else:
-                parts: list[bytes] = []
-                _encode(value, parts, repr(name), 1)
-                vdata, code = b"".join(parts), _VALUE
+            vdata, code = _encode_field(name, value)
             lengths.append(len(vdata))
             values.append(vdata)
         kdata = name.encode("utf-8", "surrogatepass")

@@ -15,26 +15,10 @@ from pathlib import Path
 
 import pytest
 from opshelpers import Origin, free_port, http_get, make_shard, wait_healthy
-from test_ops_lint import dashboard_exprs, metric_names
+from test_ops_lint import dashboard_exprs, dockerfile_final_stage, metric_names
 
 REPO = Path(__file__).resolve().parent.parent
-DOCKERFILE = REPO / "docker" / "Dockerfile"
 VENV_BIN = str(Path(sys.executable).parent)
-
-
-def final_stage() -> list[tuple[str, str]]:
-    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
-    stages: list[list[tuple[str, str]]] = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        instr, _, arg = line.partition(" ")
-        if instr.upper() == "FROM":
-            stages.append([])
-        if stages:
-            stages[-1].append((instr.upper(), arg.strip()))
-    return stages[-1]
 
 
 def parse_env(arg: str) -> dict[str, str]:
@@ -50,7 +34,7 @@ def parse_env(arg: str) -> dict[str, str]:
 def image_spec() -> tuple[dict[str, str], list[str], list[str]]:
     env: dict[str, str] = {}
     entrypoint = cmd = healthcheck = None
-    for instr, arg in final_stage():
+    for instr, arg in dockerfile_final_stage():
         if instr == "ENV":
             env.update(parse_env(arg))
         elif instr == "ENTRYPOINT":
