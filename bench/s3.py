@@ -8,7 +8,7 @@ rounds and reporting medians:
 1. cold read of ``--size`` MiB through the proxy (``--upstream big=s3://...``, cache purged
    before each round) vs boto3 ``download_fileobj`` straight from SeaweedFS;
 2. an HTTP origin that limits every connection to ``--rate`` MB/s: the proxy with parallel
-   ranged parts (``--parallel 8 --part-size 8MiB``) vs one stream (``--parallel 1``),
+   ranged parts (``--http-parts on``, 8 x 8 MiB) vs one stream (``--http-parts off``),
    ``--http-size`` MiB, cold each round;
 3. warm reads of the cached object: boto3 ``get_object`` through the proxy's S3 front vs a
    plain HTTP GET from the proxy.
@@ -258,10 +258,12 @@ def main(argv: list[str] | None = None) -> int:
             blob.write_bytes(os.urandom(hsize))
             origin, oport = start_origin(blob, args.rate, work)
             up = f"http://127.0.0.1:{oport}"
-            par = ProxyProcess(work / "cache-par", "--upstream", up, *common).start()
+            par = ProxyProcess(
+                work / "cache-par", "--upstream", up, "--http-parts", "on", *common
+            ).start()
             procs.append(par)
             one = ProxyProcess(
-                work / "cache-one", "--upstream", up, "--parallel", "1", *common
+                work / "cache-one", "--upstream", up, "--http-parts", "off", *common
             ).start()
             procs.append(one)
 

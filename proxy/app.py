@@ -164,6 +164,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         on_bytes=m.upstream_bytes.inc,
         part_size=s.part_size,
         parallel=s.parallel,
+        http_parts=s.http_parts,
         s3=app[S3_CLIENT],  # type: ignore[arg-type]
     )
     app[STORE] = store

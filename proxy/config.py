@@ -51,6 +51,7 @@ class Settings:
     chunk_size: int = 1 << 20
     part_size: int = 8 * 1024 * 1024
     parallel: int = 8
+    http_parts: bool = False
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_profile: str | None = None
@@ -79,6 +80,12 @@ _OPTIONS: tuple[tuple[str, str, str], ...] = (
         "ranged part size for large objects, e.g. 8MiB; 0 disables (default 8MiB)",
     ),
     ("--parallel", "parallel", "concurrent ranged parts per object (default 8)"),
+    (
+        "--http-parts",
+        "http_parts",
+        "on: also fetch large http(s) shards in parallel ranged parts (s3:// always are); "
+        "for origins that limit each connection (default off)",
+    ),
     (
         "--s3-endpoint-url",
         "s3_endpoint_url",
@@ -246,6 +253,13 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
             raise ConfigError("--part-size", str(exc)) from None
     if (v := get("parallel")) is not None:
         kw["parallel"] = _number("--parallel", v, int, 1)
+    if (v := get("http_parts")) is not None:
+        if v.lower() in ("on", "true", "yes", "1"):
+            kw["http_parts"] = True
+        elif v.lower() in ("off", "false", "no", "0"):
+            kw["http_parts"] = False
+        else:
+            raise ConfigError("--http-parts", f"must be on or off (got {v!r})")
     if (v := get("s3_endpoint_url")) is not None:
         ep = urlsplit(v)
         if ep.scheme not in ("http", "https") or not ep.hostname:

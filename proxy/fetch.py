@@ -118,6 +118,7 @@ class Fetcher:
         on_bytes: Callable[[int], None] | None = None,
         part_size: int = 0,
         parallel: int = 1,
+        http_parts: bool = False,
         s3: S3Upstream | None = None,
     ) -> None:
         self.connect_timeout = connect_timeout
@@ -128,8 +129,11 @@ class Fetcher:
         self.observe = observe
         self.on_bytes = on_bytes
         # Parallel ranged parts: 0 or parallel 1 means one stream per object.
+        # For http(s) only with http_parts: one stream keeps upstream bytes at 1x the shard
+        # and memory low; parts pay off where an origin limits each connection.
         self.part_size = part_size
         self.parallel = parallel
+        self.http_parts = http_parts
         self._s3 = (
             None
             if s3 is None
@@ -243,7 +247,12 @@ class Fetcher:
 
         body._close = close
         info = info_from_headers(h)
-        if self.parallel > 1 and self.part_size > 0 and can_fetch_in_parts(info, self.part_size):
+        if (
+            self.http_parts
+            and self.parallel > 1
+            and self.part_size > 0
+            and can_fetch_in_parts(info, self.part_size)
+        ):
             body._iter = self._parts(body, info, resp)
         else:
             body._iter = self._http_chunks(body, state)

@@ -34,10 +34,11 @@ async def _proxy(aiohttp_client, aiohttp_server, tmp_path, data: bytes, *flags: 
 @pytest.mark.parametrize(
     "flags, parts",
     [
-        (("--part-size", "128KiB", "--parallel", "4"), True),
-        (("--part-size", "128KiB", "--parallel", "1"), False),
-        (("--part-size", "0"), False),
-        ((), False),  # default 8 MiB parts: a 1 MB shard stays one GET
+        (("--http-parts", "on", "--part-size", "128KiB", "--parallel", "4"), True),
+        (("--part-size", "128KiB", "--parallel", "4"), False),  # http parts are opt-in
+        (("--http-parts", "on", "--part-size", "128KiB", "--parallel", "1"), False),
+        (("--http-parts", "on", "--part-size", "0"), False),
+        (("--http-parts", "on"), False),  # default 8 MiB parts: a 1 MB shard stays one GET
     ],
 )
 async def test_http_parts_only_above_part_size_and_with_parallel(
@@ -67,6 +68,8 @@ async def test_http_part_failing_every_time_is_never_cached(
         aiohttp_server,
         tmp_path,
         DATA,
+        "--http-parts",
+        "on",
         "--part-size",
         "128KiB",
         "--parallel",
