@@ -3,12 +3,13 @@
 The first request for a URL that is not cached starts a :class:`Download` (a background
 task); requests for the same URL while it runs join it. The task writes upstream bytes to
 the store's ``.part`` file; every client — the first, later joiners, Range requests —
-reads the growing file with ``pread`` on one shared descriptor and is woken by an event
-each time bytes arrive. No client waits for the whole shard, and a slow client never slows
-the download.
+follows the growing file through one shared descriptor and is woken by an event each time
+bytes arrive. A client sends the written prefix with ``sendfile`` when its connection
+allows (else ``pread`` and write). No client waits for the whole shard, and a slow client
+never slows the download.
 
 Completeness: a response that reaches the end of the object sends its last bytes only
-after the download has been verified (byte count against Content-Length, MD5 when the
+after the download has been verified and committed (byte count against Content-Length, MD5 when the
 upstream sent one). On an unrecoverable failure every client of the download gets
 :class:`DownloadFailed`, upon which the handler aborts the connection: a truncated body
 never looks like a clean end. The partial file is deleted, never committed.
@@ -125,6 +126,14 @@ class Download:
         if not self.verified:
             raise DownloadFailed(self.url, self.error)
 
+    async def wait_settled(self) -> None:
+        """Wait until every byte is verified and the entry committed (or found uncommittable);
+        DownloadFailed if the bytes never verified. A client that has the whole object
+        thus finds it in the cache on its next request, even across a crash."""
+        await self.wait_verified()
+        while self.state == "streaming":
+            await self._wait()
+
     async def wait_finished(self) -> None:
         while not self.finished:
             await self._wait()
@@ -160,7 +169,7 @@ class Download:
         With ``send`` (``send(file, offset, count)`` returning the bytes it sent, e.g. a
         ``sendfile``), each pass hands it the whole written prefix not yet sent, straight
         from the ``.part`` file; the last byte of the object is held back until the
-        download is verified. Without it, ``pread`` reads 1 MiB at a time into ``write``.
+        download is verified and committed. Without it, ``pread`` reads 1 MiB at a time into ``write``.
 
         Returns the number of bytes sent. Raises DownloadFailed if the download fails
         before the range is complete; the caller must then abort its connection.
@@ -195,7 +204,7 @@ class Download:
                     READ_CHUNK if send is None else None,
                 )
                 if last:
-                    await self.wait_verified()
+                    await self.wait_settled()
                 fd = self._read_fd
                 if fd is None:
                     raise DownloadFailed(self.url, RuntimeError("download file closed"))
