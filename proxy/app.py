@@ -381,16 +381,25 @@ async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse |
 
 async def _send_file(
     request: web.Request, resp: web.StreamResponse, fobj: Any, offset: int, count: int
-) -> None:
+) -> int:
+    """Send ``count`` bytes of ``fobj`` from ``offset``: ``sendfile`` on a plain transport,
+    else (TLS, no native sendfile, ``sendfile=False``) ``pread`` into ``resp.write``.
+
+    Returns the bytes sent; fewer than ``count`` only when the file ended early, in which
+    case the client connection has been aborted (never a clean end). The response must
+    not be chunked: sendfile bypasses the writer's framing.
+    """
     loop = asyncio.get_running_loop()
     transport = request.transport
     if transport is None:
         raise ConnectionResetError("client gone")
     if request.app[RUNTIME]["sendfile"]:
         try:
-            await loop.sendfile(transport, fobj, offset, count, fallback=False)
-            request[T_BYTES] += count
-            return
+            sent = await loop.sendfile(transport, fobj, offset, count, fallback=False)
+            request[T_BYTES] += sent
+            if sent < count:
+                _abort_client(request)  # the file shrank under us: never end cleanly
+            return sent
         except (NotImplementedError, RuntimeError):
             pass
     fd = fobj.fileno()
@@ -399,10 +408,11 @@ async def _send_file(
         data = await loop.run_in_executor(None, os.pread, fd, min(1 << 20, end - pos), pos)
         if not data:
             _abort_client(request)  # the file shrank under us: never end cleanly
-            return
+            break
         await resp.write(data)
         pos += len(data)
         request[T_BYTES] += len(data)
+    return pos - offset
 
 
 async def _serve_download(request: web.Request, dl: Download, cache: str) -> web.StreamResponse:
@@ -432,8 +442,15 @@ async def _serve_download(request: web.Request, dl: Download, cache: str) -> web
 
     start = brange.start if brange else 0
     end = brange.end + 1 if brange else size
+
+    async def send(fobj: Any, offset: int, count: int) -> int:
+        return await _send_file(request, resp, fobj, offset, count)
+
+    # followers send the written prefix of the .part file straight from the page cache;
+    # a chunked response (size unknown) needs the writer's framing, so it gets write()
+    framed = resp.content_length is None
     try:
-        await dl.stream(write, start, end, first_byte)
+        await dl.stream(write, start, end, first_byte, send=None if framed else send)
     except DownloadFailed as exc:
         log.warning("aborting %s %s: %s", request.method, request.raw_path, exc)
         _abort_client(request)

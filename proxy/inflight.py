@@ -3,12 +3,13 @@
 The first request for a URL that is not cached starts a :class:`Download` (a background
 task); requests for the same URL while it runs join it. The task writes upstream bytes to
 the store's ``.part`` file; every client — the first, later joiners, Range requests —
-reads the growing file with ``pread`` on one shared descriptor and is woken by an event
-each time bytes arrive. No client waits for the whole shard, and a slow client never slows
-the download.
+follows the growing file through one shared descriptor and is woken by an event each time
+bytes arrive. A client sends the written prefix with ``sendfile`` when its connection
+allows (else ``pread`` and write). No client waits for the whole shard, and a slow client
+never slows the download.
 
 Completeness: a response that reaches the end of the object sends its last bytes only
-after the download has been verified (byte count against Content-Length, MD5 when the
+after the download has been verified and committed (byte count against Content-Length, MD5 when the
 upstream sent one). On an unrecoverable failure every client of the download gets
 :class:`DownloadFailed`, upon which the handler aborts the connection: a truncated body
 never looks like a clean end. The partial file is deleted, never committed.
@@ -125,6 +126,14 @@ class Download:
         if not self.verified:
             raise DownloadFailed(self.url, self.error)
 
+    async def wait_settled(self) -> None:
+        """Wait until every byte is verified and the entry committed (or found uncommittable);
+        DownloadFailed if the bytes never verified. A client that has the whole object
+        thus finds it in the cache on its next request, even across a crash."""
+        await self.wait_verified()
+        while self.state == "streaming":
+            await self._wait()
+
     async def wait_finished(self) -> None:
         while not self.finished:
             await self._wait()
@@ -152,48 +161,105 @@ class Download:
         start: int = 0,
         end: int | None = None,
         on_first_byte: Callable[[], None] | None = None,
+        *,
+        send: Callable[[Any, int, int], Awaitable[int]] | None = None,
     ) -> int:
         """Send bytes ``start..end-1`` (to the end when ``end`` is None) as they arrive.
 
-        Returns the number of bytes written. Raises DownloadFailed if the download fails
+        With ``send`` (``send(file, offset, count)`` returning the bytes it sent, e.g. a
+        ``sendfile``), each pass hands it the whole written prefix not yet sent, straight
+        from the ``.part`` file; the last byte of the object is held back until the
+        download is verified and committed. Without it, ``pread`` reads 1 MiB at a time into ``write``.
+
+        Returns the number of bytes sent. Raises DownloadFailed if the download fails
         before the range is complete; the caller must then abort its connection.
         """
         loop = asyncio.get_running_loop()
         pos = start
         first = True
-        while end is None or pos < end:
-            await self.wait_beyond(pos)
-            if self.state == "failed":
-                raise DownloadFailed(self.url, self.error)
-            avail = self.written
-            if avail <= pos:
-                # finished without more bytes: only a verified end of a whole object is clean
-                if end is None and self.verified:
-                    break
-                raise DownloadFailed(
-                    self.url, self.error or IncompleteDownloadError(self.url, avail, end)
+        fobj: Any = None
+        try:
+            while end is None or pos < end:
+                await self.wait_beyond(pos)
+                if self.state == "failed":
+                    raise DownloadFailed(self.url, self.error)
+                avail = self.written
+                if avail <= pos:
+                    # finished without more bytes: only a verified end of a whole object
+                    # is clean
+                    if end is None and self.verified:
+                        break
+                    raise DownloadFailed(
+                        self.url, self.error or IncompleteDownloadError(self.url, avail, end)
+                    )
+                stop = avail if end is None else min(avail, end)
+                n, last = _next_span(
+                    pos,
+                    stop,
+                    end,
+                    self.known_size,
+                    self.written,
+                    self.state == "streaming",
+                    self.verified,
+                    READ_CHUNK if send is None else None,
                 )
-            stop = avail if end is None else min(avail, end)
-            n = min(READ_CHUNK, stop - pos)
-            last = (end is not None and pos + n == end and end == self.known_size) or (
-                end is None and self.state != "streaming" and pos + n == self.written
-            )
-            if last:
-                await self.wait_verified()
-            fd = self._read_fd
-            if fd is None:
-                raise DownloadFailed(self.url, RuntimeError("download file closed"))
-            data = await loop.run_in_executor(None, os.pread, fd, n, pos)
-            if not data:
-                raise DownloadFailed(self.url, IncompleteDownloadError(self.url, pos, end))
-            if first and on_first_byte is not None:
-                on_first_byte()
-                first = False
-            await write(data)
-            pos += len(data)
-            if end is None and self.verified and pos >= self.written:
-                break
+                if last:
+                    await self.wait_settled()
+                fd = self._read_fd
+                if fd is None:
+                    raise DownloadFailed(self.url, RuntimeError("download file closed"))
+                if first and on_first_byte is not None:
+                    on_first_byte()
+                    first = False
+                if send is not None:
+                    if fobj is None:
+                        fobj = open(fd, "rb", buffering=0, closefd=False)  # noqa: SIM115
+                    sent = await send(fobj, pos, n)
+                    pos += sent
+                    if sent < n:
+                        raise DownloadFailed(self.url, IncompleteDownloadError(self.url, pos, end))
+                else:
+                    data = await loop.run_in_executor(None, os.pread, fd, n, pos)
+                    if not data:
+                        raise DownloadFailed(self.url, IncompleteDownloadError(self.url, pos, end))
+                    await write(data)
+                    pos += len(data)
+                if end is None and self.verified and pos >= self.written:
+                    break
+        finally:
+            if fobj is not None:
+                fobj.close()  # closefd=False: the shared descriptor stays open
         return pos - start
+
+
+def _next_span(
+    pos: int,
+    stop: int,
+    end: int | None,
+    known_size: int | None,
+    written: int,
+    streaming: bool,
+    verified: bool,
+    cap: int | None,
+) -> tuple[int, bool]:
+    """How many bytes from ``pos`` to send now (``stop`` is the written limit), and
+    whether they include the object's final byte, which may go out only once verified.
+
+    When ``cap`` is None (spans go out whole), an unverified final span is split: all but
+    its last byte now, the last byte after verification, so a slow verification never
+    holds back the bulk of the bytes.
+    """
+    n = stop - pos if cap is None else min(cap, stop - pos)
+
+    def is_last(k: int) -> bool:
+        if end is not None:
+            return pos + k == end and end == known_size
+        return not streaming and pos + k == written
+
+    last = is_last(n)
+    if last and not verified and cap is None and n > 1:
+        return n - 1, False
+    return n, last
 
 
 class Inflight:
