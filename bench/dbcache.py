@@ -9,7 +9,7 @@ them alike); the figures are medians over the rounds.
   ``sqlite3`` ``executemany`` of the same, already encoded, rows into the same schema in
   one transaction.
 - read: iterating a full DBCache (decoding included, samples built) vs a raw ``SELECT`` of
-  the same columns holding the same bytes (``raw_read``: url, key, fields, data, payload,
+  the same columns holding the same bytes (``raw_read``: url, key, layout, data, payload,
   exactly what DBCache reads), vs a raw ``SELECT`` of one blob per sample holding all its
   fields (``raw_read_1blob``: the sample encoded as one ``safe_encode`` record), vs
   reading the same samples from local tar shards with the tar pipeline.
@@ -87,12 +87,16 @@ def raw_fill(path: str, rows: list[tuple]) -> None:
     conn = raw_open(path)
     conn.execute(
         "CREATE TABLE samples (id INTEGER PRIMARY KEY, url TEXT NOT NULL,"
-        " key TEXT NOT NULL, fields BLOB NOT NULL, data BLOB NOT NULL, payload BLOB)"
+        " key TEXT NOT NULL, layout INTEGER NOT NULL, data BLOB NOT NULL, payload BLOB)"
     )
     conn.execute("CREATE UNIQUE INDEX samples_ident ON samples (url, key)")
+    conn.execute("CREATE TABLE layouts (id INTEGER PRIMARY KEY, fields BLOB NOT NULL UNIQUE)")
     conn.execute("BEGIN")
+    layouts = {fields: i for i, fields in enumerate(dict.fromkeys(r[2] for r in rows), 1)}
+    conn.executemany("INSERT INTO layouts (fields, id) VALUES (?, ?)", layouts.items())
     conn.executemany(
-        "INSERT INTO samples (url, key, fields, data, payload) VALUES (?, ?, ?, ?, ?)", rows
+        "INSERT INTO samples (url, key, layout, data, payload) VALUES (?, ?, ?, ?, ?)",
+        [(url, key, layouts[fields], data, payload) for url, key, fields, data, payload in rows],
     )
     conn.execute("COMMIT")
     conn.close()
@@ -114,7 +118,7 @@ def raw_fill_1blob(path: str, rows: list[tuple[str, str, bytes]]) -> None:
 def raw_read(path: str) -> int:
     conn = raw_open(path)
     n = 0
-    for row in conn.execute("SELECT url, key, fields, data, payload FROM samples ORDER BY id"):
+    for row in conn.execute("SELECT url, key, layout, data, payload FROM samples ORDER BY id"):
         n += len(row) > 0
     conn.close()
     return n

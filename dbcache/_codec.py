@@ -33,9 +33,8 @@ import io
 import pickle
 import struct
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any
 
 __all__ = [
@@ -90,8 +89,10 @@ class Codec:
 
     ``encode``/``decode`` turn one value into one record. ``encode_row`` turns a sample
     into the (``fields``, ``data``, ``payload``) columns of a database row, and
-    ``decode_rows`` turns an iterable of (``url``, ``key``, ``fields``, ``data``,
-    ``payload``) rows back into samples (raising :class:`RowDecodeError` for a bad row).
+    ``decode_rows(rows, layouts)`` turns an iterable of (``url``, ``key``, ``layout``,
+    ``data``, ``payload``) rows back into samples, where ``layouts`` maps a layout id to
+    its ``fields`` value (``None``: the layout column holds ``fields`` itself); it raises
+    :class:`RowDecodeError` for a bad row.
     """
 
     name: str
@@ -438,13 +439,15 @@ def pickle_decode(data: bytes) -> Any:
 
 # -- database rows ----------------------------------------------------------------------
 #
-# A sample is stored as the columns (url, key, fields, data, payload):
+# A sample is stored as the columns (url, key, fields, data, payload), where a file keeps
+# each distinct ``fields`` value once, in its layouts table, and a row its integer id:
 #
 #   fields   ROW_HEADER, then per field: u32 name length, u8 kind, UTF-8 name. Kinds:
 #            0 bytes in data, 1 str in data (UTF-8), 2 other value in data (tagged form),
 #            3 bytes in the payload column, 4 the key column (``__key__``), 5 the url
 #            column (``__url__``). Samples of one data set share one ``fields`` value,
-#            which the reader parses once and then looks up.
+#            which the reader parses once into a plan: a function building the sample
+#            dict with one dict display (the field names bound as values, never code).
 #   data     u64 length of each field stored in data but the last, then those fields'
 #            bytes (the last runs to the end: a sample with one such field, e.g. a class
 #            label beside an image in the payload, needs no parsing at all).
@@ -532,43 +535,67 @@ def _row_plan(fields: Any) -> tuple:
         raise CodecError("more than one field in the payload column")
     if not keys:
         raise CodecError("empty field table")
-    # values are gathered as [url, key, payload, inline fields...]; perm picks them in order
-    perm = []
+    # values are gathered as (url, key, payload, inline fields...); slot picks them in order
+    slots = []
     inline = 0
     for kind in kinds:
         if kind == _FROM_URL:
-            perm.append(0)
+            slots.append(0)
         elif kind == _FROM_KEY:
-            perm.append(1)
+            slots.append(1)
         elif kind == _IN_PAYLOAD:
-            perm.append(2)
+            slots.append(2)
         else:
-            perm.append(3 + inline)
+            slots.append(3 + inline)
             inline += 1
-    if len(perm) == 1:
-        only = perm[0]
-
-        def getter(values: list, only: int = only) -> tuple:
-            return (values[only],)
-    else:
-        getter = itemgetter(*perm)
     post = tuple((k, kind) for k, kind in zip(keys, kinds, strict=True) if kind in (_STR, _VALUE))
     payload_type = bytes if _IN_PAYLOAD in kinds else _NONE_TYPE
     lengths = struct.Struct(f"<{max(inline - 1, 0)}Q")
-    plan = (tuple(keys), inline, lengths, getter, payload_type, post)
+    plan = (_builder(tuple(keys), slots, inline), inline, lengths, payload_type, post)
     if len(_PLANS) >= _SCHEMA_CACHE_MAX:
         _PLANS.clear()
     _PLANS[fields] = plan
     return plan
 
 
+_BUILDERS: dict[tuple[int, tuple[int, ...]], Callable[..., Callable[..., dict]]] = {}
+
+
+def _builder(keys: tuple[str, ...], slots: list[int], inline: int) -> Callable[..., dict]:
+    """A function building a sample dict from a row's values with one dict display.
+
+    With at most one inline field it takes (url, key, payload, data); otherwise one
+    sequence (url, key, payload, inline fields...). The generated source holds only
+    fixed identifiers and integers: the field names are bound as values (closure cells),
+    never written into the source, so no field name in a file can become code.
+    """
+    shape = (min(inline, 2), tuple(slots))
+    make = _BUILDERS.get(shape)
+    if make is None:
+        names = ", ".join(f"k{i}" for i in range(len(slots)))
+        if inline <= 1:
+            args = "a0, a1, a2, a3=None"
+            items = ", ".join(f"k{i}: a{slot}" for i, slot in enumerate(slots))
+        else:
+            args = "a"
+            items = ", ".join(f"k{i}: a[{slot}]" for i, slot in enumerate(slots))
+        source = f"def make({names}):\n    def build({args}):\n        return {{{items}}}\n    return build\n"
+        scope: dict[str, Any] = {}
+        exec(compile(source, "<dbcache row builder>", "exec"), {"__builtins__": {}}, scope)  # noqa: S102
+        make = scope["make"]
+        if len(_BUILDERS) >= _SCHEMA_CACHE_MAX:
+            _BUILDERS.clear()
+        _BUILDERS[shape] = make
+    return make(*keys)
+
+
 def _row_problem(row: tuple, plan: tuple) -> str:
-    """Why ``row`` does not match its ``plan`` (the slow path, for the error message)."""
-    url, key, _fields, data, payload = row
+    """Why ``row`` (url, key, data, payload) does not match its ``plan`` (for the message)."""
+    url, key, data, payload = row
     if type(url) is not str or type(key) is not str:
         return f"the url/key columns hold {_describe(url)}/{_describe(key)}, not str"
-    if type(payload) is not plan[4]:
-        want = "bytes" if plan[4] is bytes else "NULL"
+    if type(payload) is not plan[3]:
+        want = "bytes" if plan[3] is bytes else "NULL"
         return f"the payload column holds {_describe(payload)}, expected {want}"
     if type(data) is not bytes:
         return f"the data column holds a {_describe(data)}, not bytes"
@@ -582,28 +609,56 @@ def _row_problem(row: tuple, plan: tuple) -> str:
     return f"record truncated (its fields need {end} bytes, it has {len(data)}){hint}"
 
 
-def safe_decode_rows(rows: Iterable[tuple]) -> Iterator[dict]:
-    """Decode (url, key, fields, data, payload) rows written by :func:`safe_encode_row`.
+def safe_decode_rows(
+    rows: Iterable[tuple], layouts: Mapping[Any, bytes] | None = None
+) -> Iterator[dict]:
+    """Decode (url, key, layout, data, payload) rows written by :func:`safe_encode_row`.
 
-    Raises :class:`RowDecodeError` naming the problem for a damaged row; never pickle.
+    ``layouts`` maps a row's layout column to its ``fields`` value; without it the
+    layout column holds the ``fields`` value itself. Raises :class:`RowDecodeError`
+    naming the problem for a damaged row; never pickle.
     """
-    plans = _PLANS
-    for url, key, fields, data, payload in rows:
-        plan = plans.get(fields) if type(fields) is bytes else None
-        if plan is None:
-            try:
-                plan = _row_plan(fields)
-            except CodecError as exc:
-                raise RowDecodeError(str(exc), url, key) from None
-        keys, inline, lengths, getter, payload_type, post = plan
+    plans: dict[Any, tuple] = {}
+    last: Any = plans  # no layout equals it
+    for url, key, layout, data, payload in rows:
+        if layout != last:  # rows of one data set mostly share one layout
+            plan = plans.get(layout)
+            if plan is None:
+                try:
+                    plan = plans[layout] = _layout_plan(layout, layouts)
+                except CodecError as exc:
+                    raise RowDecodeError(str(exc), url, key) from None
+            build, inline, lengths, payload_type, post = plan
+            last = layout
         if inline == 1:  # the common case: nothing to parse
-            ok = True
-            values: Any = (url, key, payload, data)
+            if (
+                type(data) is bytes
+                and type(payload) is payload_type
+                and type(key) is str
+                and type(url) is str
+            ):
+                sample = build(url, key, payload, data)
+            else:
+                raise RowDecodeError(_row_problem((url, key, data, payload), plan), url, key)
         elif inline == 0:
-            ok = data == b""
-            values = (url, key, payload)
+            if (
+                data == b""
+                and type(data) is bytes
+                and type(payload) is payload_type
+                and type(key) is str
+                and type(url) is str
+            ):
+                sample = build(url, key, payload)
+            else:
+                raise RowDecodeError(_row_problem((url, key, data, payload), plan), url, key)
         else:
-            ok = type(data) is bytes and len(data) >= lengths.size
+            ok = (
+                type(data) is bytes
+                and len(data) >= lengths.size
+                and type(payload) is payload_type
+                and type(key) is str
+                and type(url) is str
+            )
             if ok:
                 values = [url, key, payload]
                 pos = lengths.size
@@ -612,15 +667,12 @@ def safe_decode_rows(rows: Iterable[tuple]) -> Iterator[dict]:
                     pos += n
                 values.append(data[pos:])
                 ok = pos <= len(data)  # slices past the end come back short
-        if (
-            not ok
-            or type(data) is not bytes
-            or type(payload) is not payload_type
-            or type(key) is not str
-            or type(url) is not str
-        ):
-            raise RowDecodeError(_row_problem((url, key, fields, data, payload), plan), url, key)
-        sample = dict(zip(keys, getter(values)))  # noqa: B905 - same length by construction
+            if not ok:
+                raise RowDecodeError(_row_problem((url, key, data, payload), plan), url, key)
+            sample = build(values)
+        if not post:
+            yield sample
+            continue
         for name, kind in post:
             if kind == _STR:
                 try:
@@ -635,14 +687,27 @@ def safe_decode_rows(rows: Iterable[tuple]) -> Iterator[dict]:
         yield sample
 
 
+def _layout_plan(layout: Any, layouts: Mapping[Any, bytes] | None) -> tuple:
+    if layouts is None:
+        fields = layout
+    else:
+        fields = layouts.get(layout)
+        if fields is None:
+            raise CodecError(f"layout {layout!r} is not in the layouts table")
+    plan = _PLANS.get(fields) if type(fields) is bytes else None
+    return _row_plan(fields) if plan is None else plan
+
+
 def pickle_encode_row(sample: Any) -> Row:
     """A pickle row: ``fields`` names the codec, ``data`` is the pickle. Trusted files only."""
     return b"pickle", pickle_encode(sample), None
 
 
-def pickle_decode_rows(rows: Iterable[tuple]) -> Iterator[Any]:
+def pickle_decode_rows(
+    rows: Iterable[tuple], layouts: Mapping[Any, bytes] | None = None
+) -> Iterator[Any]:
     """Unpickle rows. DANGEROUS for untrusted files: unpickling can run any code."""
-    for url, key, _fields, data, _payload in rows:
+    for url, key, _layout, data, _payload in rows:
         try:
             yield pickle_decode(data)
         except CodecError as exc:

@@ -32,11 +32,14 @@ log = logging.getLogger(__name__)
 
 FORMAT_NAME = "shardcache.dbcache"
 # 2: a sample is the columns (url, key, fields, data, payload), see dbcache._codec
-FORMAT_VERSION = 2
+# 3: ``fields`` lives once in the layouts table; a sample row holds its integer id
+FORMAT_VERSION = 3
 RESERVED_META = frozenset({"format", "format_version", "codec", "size"})
 SAMPLES = "samples"
-_ROW_COLUMNS = "url, key, fields, data, payload"  # the columns a codec writes and reads
+LAYOUTS = "layouts"  # (id, fields): the distinct field tables, written once each
+_ROW_COLUMNS = "url, key, layout, data, payload"  # the columns a codec reads
 META = "meta"
+TABLES = frozenset({SAMPLES, LAYOUTS, META})
 
 
 def get_uuid(data: str | bytes) -> str:
@@ -190,19 +193,19 @@ class DBCache:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
             db = sqlite_utils.Database(conn)
             tables = set(db.table_names())  # fails on a file that is not SQLite
-            if not {SAMPLES, META} <= tables and tables - {SAMPLES, META}:
+            if not TABLES <= tables and tables - TABLES:
                 raise self._fail(
                     f"not a DBCache file (it has the tables {sorted(tables)}, no"
                     f" '{META}' with format {FORMAT_NAME!r}); refusing to write into it"
                 )
-            if SAMPLES in tables and META in tables:
+            if META in tables:
                 # check before changing anything in a file that might be someone else's
                 self._check_meta(dict(conn.execute(f"SELECT key, value FROM {META}").fetchall()))
             if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
                 # Several processes may race here; the busy timeout covers the lock.
                 conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")  # durable at checkpoints in WAL mode
-            if not {SAMPLES, META} <= tables:
+            if not TABLES <= tables:
                 self._initialise(db)
             meta = dict(conn.execute(f"SELECT key, value FROM {META}").fetchall())
         except sqlite3.Error as exc:
@@ -220,13 +223,19 @@ class DBCache:
                     "id": int,
                     "url": str,
                     "key": str,
-                    "fields": bytes,
+                    "layout": int,
                     "data": bytes,
                     "payload": bytes,
                 },
                 pk="id",
-                not_null={"url", "key", "fields", "data"},
+                not_null={"url", "key", "layout", "data"},
                 if_not_exists=True,
+            )
+            db[LAYOUTS].create(
+                {"id": int, "fields": bytes}, pk="id", not_null={"fields"}, if_not_exists=True
+            )
+            db[LAYOUTS].create_index(
+                ["fields"], index_name="layouts_fields", unique=True, if_not_exists=True
             )
             db[SAMPLES].create_index(
                 ["url", "key"], index_name="samples_ident", unique=True, if_not_exists=True
@@ -250,6 +259,11 @@ class DBCache:
         if meta.get("format") != FORMAT_NAME:
             raise self._fail(f"not a DBCache file (format is {meta.get('format')!r})")
         version = meta.get("format_version")
+        if version in ("1", "2"):
+            raise self._fail(
+                f"format version {version} was written by an older dbcache; this version"
+                f" reads version {FORMAT_VERSION} (build the file again from its source)"
+            )
         if version != str(FORMAT_VERSION):
             raise self._fail(
                 f"unsupported format version {version!r} (this version of dbcache reads"
@@ -339,10 +353,14 @@ class DBCache:
     def nbytes(self) -> int:
         """Total bytes of the stored records."""
         self._need_db()
-        return self.conn.execute(
-            f"SELECT coalesce(sum(length(fields) + length(data) + coalesce(length(payload), 0)),"
-            f" 0) FROM {SAMPLES}"
-        ).fetchone()[0]
+        return (
+            self.conn.execute(
+                f"SELECT coalesce(sum(length(data) + coalesce(length(payload), 0)), 0) FROM {SAMPLES}"
+            ).fetchone()[0]
+            + self.conn.execute(
+                f"SELECT coalesce(sum(length(fields)), 0) FROM {LAYOUTS}"
+            ).fetchone()[0]
+        )
 
     def _row_error(self, exc: RowDecodeError) -> DBCacheError:
         """The error for a row that does not decode, naming the file and the row."""
@@ -371,9 +389,10 @@ class DBCache:
         conn = self.conn
         decode_rows = self.codec.decode_rows
         try:
+            layouts = dict(conn.execute(f"SELECT id, fields FROM {LAYOUTS}"))
             if not shuffle and nworkers == 1:
                 yield from decode_rows(
-                    conn.execute(f"SELECT {_ROW_COLUMNS} FROM {SAMPLES} ORDER BY id")
+                    conn.execute(f"SELECT {_ROW_COLUMNS} FROM {SAMPLES} ORDER BY id"), layouts
                 )
                 return
             ids = [r[0] for r in conn.execute(f"SELECT id FROM {SAMPLES} ORDER BY id")]
@@ -389,7 +408,7 @@ class DBCache:
                         f"SELECT id, {_ROW_COLUMNS} FROM {SAMPLES} WHERE id IN ({marks})", chunk
                     )
                 }
-                yield from decode_rows([rows[rowid] for rowid in chunk])
+                yield from decode_rows([rows[rowid] for rowid in chunk], layouts)
         except RowDecodeError as exc:
             raise self._row_error(exc) from exc
         except sqlite3.Error as exc:
@@ -427,8 +446,26 @@ class DBCache:
             )
         yield from self._fill()
 
+    def _layout_ids(self, batch: list[tuple]) -> list[tuple]:
+        """``batch`` with each row's ``fields`` replaced by its id in the layouts table.
+
+        Runs inside the write transaction, so processes filling one file at once agree
+        on the ids; a new layout is inserted there and committed with its rows.
+        """
+        conn = self.conn
+        ids: dict[bytes, int] = {}
+        for fields in dict.fromkeys(row[2] for row in batch):  # in order of first use
+            found = conn.execute(f"SELECT id FROM {LAYOUTS} WHERE fields = ?", (fields,)).fetchone()
+            if found is None:
+                found = (
+                    conn.execute(f"INSERT INTO {LAYOUTS} (fields) VALUES (?)", (fields,)).lastrowid,
+                )
+            ids[fields] = found[0]
+        return [(url, key, ids[fields], data, payload) for url, key, fields, data, payload in batch]
+
     def _store(self, batch: list[tuple]) -> tuple[list[bool], int]:
-        """Insert ``batch`` in one transaction, never past ``size``.
+        """Insert ``batch`` of (url, key, fields, data, payload) rows in one transaction,
+        never past ``size``.
 
         Returns, for each row, whether it is in the file now (inserted, or there already),
         and the count after the transaction.
@@ -436,6 +473,7 @@ class DBCache:
         conn = self.conn
         conn.execute("BEGIN IMMEDIATE")  # the write lock: the count can't change under us
         try:
+            batch = self._layout_ids(batch)
             held = conn.execute(f"SELECT count(*) FROM {SAMPLES}").fetchone()[0]
             room = self.size - held  # type: ignore[operator]
             present = [False] * len(batch)

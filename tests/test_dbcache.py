@@ -168,6 +168,71 @@ def test_worker_shares_are_disjoint_and_complete(tmp_path):
         assert sorted(flat) == keys(make_samples(30))
 
 
+def test_mixed_layouts_round_trip_in_order_shuffled_and_in_shares(tmp_path):
+    shapes = [
+        lambda i: {"__key__": f"k{i:04d}", "jpg": os.urandom(40), "cls": i},
+        lambda i: {"__url__": "u", "__key__": f"k{i:04d}"},
+        lambda i: {"txt": f"t{i}", "__key__": f"k{i:04d}", "a": b"1", "b": b"", "meta": [i]},
+        lambda i: {"__key__": f"k{i:04d}", "__url__": "u", "jpg": os.urandom(9), "x": None},
+    ]
+    data = [shapes[i % len(shapes)](i) for i in range(60)]
+    path = tmp_path / "v.db"
+    assert list(DBCache(path, 60, data, batch_size=7)) == data
+    with sqlite3.connect(path) as conn:
+        layouts = conn.execute("SELECT id, fields FROM layouts ORDER BY id").fetchall()
+        used = conn.execute("SELECT layout FROM samples ORDER BY id LIMIT 4").fetchall()
+    conn.close()
+    assert len(layouts) == len(shapes) == len({f for _, f in layouts})  # each stored once
+    assert [u for (u,) in used] == [i for i, _ in layouts]
+    assert list(DBCache(path, 60)) == data
+    shuffled = list(DBCache(path, 60, shuffle=True, seed=3))
+    assert shuffled != data and sorted(shuffled, key=lambda s: s["__key__"]) == data
+    shares = [list(DBCache(path, 60).dbiter(worker=(w, 3))) for w in range(3)]
+    assert sorted((s for share in shares for s in share), key=lambda s: s["__key__"]) == data
+
+
+def test_field_names_are_data_never_code(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(os, "system", lambda cmd: calls.append(cmd) or 0)
+    names = [
+        "__import__('os').system('x')",
+        "k0",  # the builder's own identifiers, as names
+        "a1",
+        "a[0]",
+        "}, **{'y': 1}, 'z': {",
+        "\n    return None\n",
+        "__builtins__",
+    ]
+    data = [
+        {"__key__": f"s{i}", **{name: f"{name}{i}".encode() for name in names}, "cls": i}
+        for i in range(3)
+    ]
+    path = tmp_path / "v.db"
+    list(DBCache(path, 3, data))
+    back = list(DBCache(path, 3))
+    assert back == data and [list(s) for s in back] == [list(s) for s in data]
+    assert calls == []
+    # the same names in a layout written straight into the file: plain keys, nothing runs
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE samples SET data = X'' WHERE id = 1")  # a one-field layout:
+        conn.execute(
+            "INSERT INTO layouts (id, fields) VALUES (9, ?)",
+            (
+                b"SC\x02"
+                + b"".join(
+                    len(n.encode()).to_bytes(4, "little") + bytes([k]) + n.encode()
+                    for n, k in [("__key__", 4), (names[0], 3)]
+                ),
+            ),
+        )
+        conn.execute("UPDATE samples SET layout = 9 WHERE id = 1")
+        (payload,) = conn.execute("SELECT payload FROM samples WHERE id = 1").fetchone()
+    conn.close()
+    first = next(iter(DBCache(path, 3)))
+    assert first == {"__key__": "s0", names[0]: payload} and list(first)[1] == names[0]
+    assert calls == []
+
+
 def test_numpy_and_nested_fields_round_trip_through_the_file(tmp_path):
     sample = {
         "__key__": "a",
@@ -229,7 +294,8 @@ def test_tampered_row_does_not_execute(tmp_path):
     assert proof.exists()  # the payload does run when unpickled
     payload = pickle.dumps({"__key__": "s00001", "x": Payload(str(marker))})
     with sqlite3.connect(path) as conn:
-        conn.execute("UPDATE samples SET fields = ? WHERE key = 's00001'", (payload,))
+        conn.execute("INSERT INTO layouts (id, fields) VALUES (7, ?)", (payload,))
+        conn.execute("UPDATE samples SET layout = 7 WHERE key = 's00001'")
     cache = DBCache(path, 3)
     with pytest.raises(DBCacheError) as info:
         list(cache)
@@ -239,7 +305,7 @@ def test_tampered_row_does_not_execute(tmp_path):
     assert not marker.exists()
     # a pickle in a bytes column is only ever handed back as bytes
     with sqlite3.connect(path) as conn:
-        conn.execute("UPDATE samples SET fields = (SELECT fields FROM samples WHERE id = 1)")
+        conn.execute("UPDATE samples SET layout = (SELECT layout FROM samples WHERE id = 1)")
         conn.execute("UPDATE samples SET payload = ?, data = ? WHERE id = 2", (payload, payload))
     with pytest.raises(DBCacheError, match=r"row 2 .*field 'cls'"):
         list(DBCache(path, 3))  # cls is an int: its tagged form is checked, never unpickled
@@ -274,13 +340,15 @@ def test_damaged_columns_name_the_problem(tmp_path):
         ("data = substr(data, 1, 12)", "record truncated"),
         ("data = CAST('x' AS TEXT)", "data column holds a str"),
         ("key = CAST('s00002' AS BLOB)", "url/key columns hold str/bytes"),
-        ("fields = X'534302'", "empty field table"),
-        ("fields = X'53430201000000096b'", "unknown kind 9"),
+        ("layout = 99", "layout 99 is not in the layouts table"),
+        ("layout = 2", "empty field table", "INSERT INTO layouts VALUES (2, X'534302')"),
+        ("layout = 2", "unknown kind 9", "INSERT INTO layouts VALUES (2, X'53430201000000096b')"),
+        ("layout = 2", "fields column holds a str", "INSERT INTO layouts VALUES (2, 'text')"),
     ]
-    for change, message in cases:
+    for change, message, *before in cases:
         damaged = tmp_path / "d.db"
         damaged.write_bytes(path.read_bytes())
-        _sqlite_with(damaged, f"UPDATE samples SET {change} WHERE id = 3")
+        _sqlite_with(damaged, *before, f"UPDATE samples SET {change} WHERE id = 3")
         with pytest.raises(DBCacheError, match=r"d\.db: .*" + re.escape(message)):
             list(DBCache(damaged, 3))
 
@@ -332,8 +400,9 @@ def test_bad_files(tmp_path, setup, size, message):
 @pytest.mark.parametrize(
     "key, value, message",
     [
-        ("format_version", "1", "unsupported format version '1'"),
-        ("format_version", "3", "unsupported format version '3'"),
+        ("format_version", "1", "format version 1 was written by an older dbcache"),
+        ("format_version", "2", "format version 2 was written by an older dbcache"),
+        ("format_version", "4", "unsupported format version '4'"),
         ("size", "many", "bad size in metadata"),
         ("codec", "msgpack", "written with codec 'msgpack'"),
     ],
@@ -370,7 +439,7 @@ def test_metadata(tmp_path):
     cache = DBCache(path, 4)
     assert cache.getmeta("size") == "4"
     assert cache.getmeta("codec") == "safe"
-    assert cache.getmeta("format_version") == "2"
+    assert cache.getmeta("format_version") == "3"
     assert cache.getmeta("missing") is None
     assert cache.getmeta("missing", "d") == "d"
     cache.setmeta("origin", "http://h/val-{0..9}.tar")

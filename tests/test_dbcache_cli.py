@@ -96,7 +96,7 @@ def test_build_info_export_round_trip(tmp_path, serve, shards):
     assert res.returncode == 0, res.stderr
     info = json.loads(res.stdout)
     assert info["size"] == 25 and info["count"] == 25 and info["codec"] == "safe"
-    assert info["format_version"] == 2
+    assert info["format_version"] == 3
     assert info["bytes"] > 25 * 200
     res = run("info", db)
     assert "count:   25 (full)" in res.stdout and "codec:   safe" in res.stdout

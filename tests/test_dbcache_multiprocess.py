@@ -16,7 +16,10 @@ SIZE = 2500
 def source(index):
     def samples(shard, keys):
         for k in keys:
-            yield {"__key__": f"{k:05d}", "__url__": f"http://h/shard-{shard}.tar", "x": b"v" * 64}
+            sample = {"__key__": f"{k:05d}", "__url__": f"http://h/shard-{shard}.tar"}
+            # three layouts, met first in a different order by each process
+            sample.update({("x", "y", "z")[(k + shard) % 3]: b"v" * 64})
+            yield sample
 
     yield from samples(index, range(PER_PROC - OVERLAP))
     yield from samples((index + 1) % NPROC, range(OVERLAP))  # the neighbour's first ones
@@ -47,6 +50,9 @@ def test_concurrent_fill_holds_exactly_size_distinct_samples(tmp_path):
         assert proc.exitcode == 0
     with sqlite3.connect(path) as conn:
         rows = conn.execute("SELECT url, key FROM samples").fetchall()
+        layouts = conn.execute("SELECT fields FROM layouts").fetchall()
+    conn.close()
+    assert len(layouts) == 3  # the processes agreed on one id per layout
     stored = set(rows)
     assert len(rows) == SIZE == len(stored)  # exactly size, no duplicates
     yielded = [pair for _, first, _ in got for pair in first]
