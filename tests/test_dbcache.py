@@ -416,6 +416,26 @@ def test_incompatible_metadata(tmp_path, key, value, message):
     assert str(path) in str(info.value) and message in str(info.value)
 
 
+def test_a_format_2_file_is_refused_untouched(tmp_path):
+    path = tmp_path / "old.db"
+    _sqlite_with(
+        path,
+        "CREATE TABLE samples (id INTEGER PRIMARY KEY, url TEXT NOT NULL, key TEXT NOT NULL,"
+        " fields BLOB NOT NULL, data BLOB NOT NULL, payload BLOB)",
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT)",
+        "INSERT INTO meta VALUES ('format', 'shardcache.dbcache'), ('format_version', '2'),"
+        " ('codec', 'safe'), ('size', '1')",
+        "INSERT INTO samples VALUES (1, '', 'a', X'5343020300000000636c73', X'31', NULL)",
+    )
+    before = path.read_bytes()
+    for size in (None, 1):
+        with pytest.raises(DBCacheError) as info:
+            DBCache(path, size)
+        assert str(path) in str(info.value)
+        assert "format version 2 was written by an older dbcache" in str(info.value)
+    assert path.read_bytes() == before
+
+
 def test_size_mismatch_and_missing_source(tmp_path):
     path = tmp_path / "v.db"
     list(DBCache(path, 5, make_samples(3)))
