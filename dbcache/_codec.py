@@ -35,6 +35,7 @@ import struct
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 __all__ = [
@@ -559,6 +560,7 @@ def _row_plan(fields: Any) -> tuple:
 
 
 _BUILDERS: dict[tuple[int, tuple[int, ...]], Callable[..., Callable[..., dict]]] = {}
+_MAX_GENERATED_FIELDS = 256
 
 
 def _builder(keys: tuple[str, ...], slots: list[int], inline: int) -> Callable[..., dict]:
@@ -569,6 +571,14 @@ def _builder(keys: tuple[str, ...], slots: list[int], inline: int) -> Callable[.
     fixed identifiers and integers: the field names are bound as values (closure cells),
     never written into the source, so no field name in a file can become code.
     """
+    if len(slots) > _MAX_GENERATED_FIELDS:  # rare; keeps a crafted layout from compiling long
+        # (all but at most three fields are inline here, so the values come as a sequence)
+        pick = itemgetter(*slots)
+
+        def build_seq(a: Any) -> dict:
+            return dict(zip(keys, pick(a)))  # noqa: B905 - same length by construction
+
+        return build_seq
     shape = (min(inline, 2), tuple(slots))
     make = _BUILDERS.get(shape)
     if make is None:

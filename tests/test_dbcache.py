@@ -191,6 +191,19 @@ def test_mixed_layouts_round_trip_in_order_shuffled_and_in_shares(tmp_path):
     assert sorted((s for share in shares for s in share), key=lambda s: s["__key__"]) == data
 
 
+@pytest.mark.parametrize("nfields", [1, 255, 256, 257, 600])
+def test_samples_with_many_fields_round_trip(tmp_path, nfields):
+    data = [
+        {"__key__": f"s{i}", **{f"f{j}": bytes([j % 256]) * (j % 3) for j in range(nfields)}}
+        for i in range(3)
+    ]
+    data[1]["__url__"] = "u"  # a second layout
+    path = tmp_path / "v.db"
+    list(DBCache(path, 3, data))
+    back = list(DBCache(path, 3))
+    assert back == data and [list(s) for s in back] == [list(s) for s in data]
+
+
 def test_field_names_are_data_never_code(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(os, "system", lambda cmd: calls.append(cmd) or 0)
