@@ -54,15 +54,6 @@ class DownloadFailed(Exception):
         super().__init__(f"{url}: download failed: {cause}")
 
 
-def _write_all(fd: int, data: bytes, hasher: Any) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-    if hasher is not None:
-        hasher.update(data)
-
-
 class Download:
     """The shared state of one upstream download. Created by :class:`Inflight`."""
 
@@ -350,9 +341,10 @@ class Inflight:
             dl.state = "streaming"
             dl._notify()
             hasher = hashlib.md5(usedforsecurity=False) if body.md5 else None
-            async for chunk in body.chunks():
-                await loop.run_in_executor(None, _write_all, wfd, chunk, hasher)
-                dl.written += len(chunk)
+            # Batches of up to 1 MiB, written off the loop (by the thread that received
+            # them when the fetcher has one): the readers wake once per batch.
+            async for n in body.pump(wfd, hasher):
+                dl.written += n
                 dl._notify()
                 if dl.cached and body.size is None and dl.written > partial.reserved:
                     await self._grow(dl, partial)
