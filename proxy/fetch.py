@@ -20,10 +20,12 @@ import base64
 import concurrent.futures
 import contextlib
 import email.utils
+import fcntl
 import http.client
 import logging
 import os
 import re
+import select
 import socket
 import ssl
 import stat
@@ -64,6 +66,10 @@ _CONTENT_RANGE_RE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNOR
 
 BATCH_BYTES = 1 << 20  # a worker thread hands over upstream bytes in batches of this size
 BATCH_SECONDS = 0.05  # ... or whatever arrived within this long, so slow upstreams still flow
+
+
+# Linux: move plain-http bodies socket -> pipe -> file without copying them through Python
+SPLICE = hasattr(os, "splice") and hasattr(fcntl, "F_SETPIPE_SZ")
 
 
 def _noop(outcome: str) -> None:
@@ -213,6 +219,96 @@ class _ThreadedResponse:
         except OSError as exc:
             raise _SinkError(exc) from exc
         return n, None
+
+    def run(self, sink: tuple[int, Any], report: Callable[[int], None]) -> None:
+        """Receive and write batches until the body ends, calling ``report`` with the size
+        of each batch once written. Raises like :meth:`batch`."""
+        while True:
+            n, _ = self.batch(sink)
+            if not n:
+                return
+            report(n)
+            if self._can_splice(sink):
+                # the parser's buffer is drained: the rest moves socket -> pipe -> file
+                # in the kernel, never copied through this process
+                self._splice_rest(sink[0], report)
+
+    def _can_splice(self, sink: tuple[int, Any]) -> bool:
+        sock = self.conn.sock
+        return (
+            SPLICE
+            and sink[1] is None  # nothing to hash
+            and bool(self.remaining)
+            and self._error is None
+            and isinstance(sock, socket.socket)
+            and not isinstance(sock, ssl.SSLSocket)
+        )
+
+    def _splice_rest(self, fd: int, report: Callable[[int], None]) -> None:
+        """Move the rest of a Content-Length body from the socket to ``fd`` with splice,
+        in batches of up to BATCH_BYTES (or what arrived within BATCH_SECONDS). Raises
+        TimeoutError after read_timeout without a byte, ConnectionError on an early end,
+        _SinkError when writing to ``fd`` fails."""
+        sock = self.conn.sock
+        sfd = sock.fileno()
+        timeout = sock.gettimeout()
+        idle_ms = None if timeout is None else max(1, int(timeout * 1000))
+        poller = select.poll()
+        poller.register(sfd, select.POLLIN)
+        r, w = os.pipe()
+        try:
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, BATCH_BYTES)
+            flags = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
+            while self.remaining:
+                n = 0
+                t0 = 0.0
+                failure: BaseException | None = None
+                while self.remaining and n < BATCH_BYTES:
+                    try:
+                        k = os.splice(sfd, w, min(BATCH_BYTES - n, self.remaining), flags=flags)
+                    except BlockingIOError:
+                        if n:
+                            left = BATCH_SECONDS - (time.monotonic() - t0)
+                            # the pipe may be full, or the socket empty: flush if either
+                            if left <= 0 or not poller.poll(int(left * 1000)):
+                                break
+                            try:
+                                k = os.splice(
+                                    sfd, w, min(BATCH_BYTES - n, self.remaining), flags=flags
+                                )
+                            except BlockingIOError:
+                                break  # readable but the pipe is full
+                        else:
+                            if not poller.poll(idle_ms):
+                                failure = TimeoutError("timed out")
+                                break
+                            continue
+                    except OSError as exc:
+                        failure = exc
+                        break
+                    if not k:
+                        failure = ConnectionError(
+                            f"connection closed with {self.remaining} bytes due"
+                        )
+                        break
+                    if not n:
+                        t0 = time.monotonic()
+                    n += k
+                    self.remaining -= k
+                left_in_pipe = n
+                try:
+                    while left_in_pipe:
+                        left_in_pipe -= os.splice(r, fd, left_in_pipe)
+                except OSError as exc:
+                    raise _SinkError(exc) from exc
+                if n:
+                    report(n)
+                if failure is not None:
+                    raise failure
+        finally:
+            os.close(r)
+            os.close(w)
 
     def shutdown(self) -> None:
         """Make a receive blocked in another thread return."""
@@ -513,6 +609,43 @@ class Fetcher:
                 await fut
             raise
 
+    async def _run_to_sink(
+        self, tr: _ThreadedResponse, sink: tuple[int, Any]
+    ) -> AsyncIterator[int]:
+        """Let a worker thread receive and write the whole body without stopping, and
+        yield the bytes written since the last step (one wake-up per batch at most);
+        raise what the thread raised once every byte it wrote is counted."""
+        loop = asyncio.get_running_loop()
+        pending = 0
+        wake = asyncio.Event()
+
+        def progress(n: int) -> None:
+            nonlocal pending
+            pending += n
+            wake.set()
+
+        def report(n: int) -> None:  # in the worker thread
+            loop.call_soon_threadsafe(progress, n)
+
+        fut = loop.run_in_executor(self._executor(), tr.run, sink, report)
+        fut.add_done_callback(lambda _: wake.set())
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                if pending:
+                    n, pending = pending, 0
+                    yield n
+                if fut.done() and not pending:
+                    # progress callbacks were queued before the future completed
+                    fut.result()
+                    return
+        except (asyncio.CancelledError, GeneratorExit):
+            tr.shutdown()
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(fut)
+            raise
+
     def _blocking_get(self, url: str, headers: dict[str, str]) -> _ThreadedResponse:
         """Connect (within connect_timeout), send the GET, read the status and headers
         (within read_timeout). Runs in a worker thread; raises OSError/HTTPException."""
@@ -619,14 +752,20 @@ class Fetcher:
         while True:
             tr: _ThreadedResponse = state["tr"]
             try:
-                while True:
-                    n, data = await self._in_thread(tr, lambda tr=tr: tr.batch(sink))
+                if sink is not None:
+                    async for n in self._run_to_sink(tr, sink):
+                        pos += n
+                        if self.on_bytes is not None:
+                            self.on_bytes(n)
+                        yield n
+                while sink is None:
+                    n, data = await self._in_thread(tr, lambda tr=tr: tr.batch(None))
                     if not n:
                         break
                     pos += n
                     if self.on_bytes is not None:
                         self.on_bytes(n)
-                    yield n if sink is not None else data
+                    yield data
                 if body.size is not None and pos != body.size:
                     raise ConnectionError(f"body ended at {pos} of {body.size} bytes")
                 tr.close()

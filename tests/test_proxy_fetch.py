@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import socket
 import threading
 
 import pytest
 from proxy_helpers import Fault, Origin, free_port
 
+from proxy import fetch
 from proxy.fetch import Fetcher
 from shardcache.errors import IncompleteDownloadError, NotFound, UpstreamError, UpstreamTimeout
 
@@ -27,6 +29,19 @@ def origin():
     o = Origin().start()
     yield o
     o.stop()
+
+
+@pytest.fixture(autouse=True, params=["splice", "recv"])
+def receive_path(request, monkeypatch):
+    """Run each test with the body moved by splice (after a first small batch) and with
+    recv_into plus write only."""
+    if request.param == "splice":
+        if not fetch.SPLICE:
+            pytest.skip("no os.splice here")
+        monkeypatch.setattr(fetch, "BATCH_BYTES", 64 * KB)
+    else:
+        monkeypatch.setattr(fetch, "SPLICE", False)
+    return request.param
 
 
 @pytest.fixture
@@ -50,16 +65,27 @@ async def pump_to_file(body, path) -> tuple[bytes, list[int]]:
     return path.read_bytes(), batches
 
 
-async def test_pump_writes_in_a_thread_in_large_batches(origin, fetcher, tmp_path):
+async def test_pump_writes_in_a_thread_in_large_batches(
+    origin, fetcher, tmp_path, receive_path, monkeypatch
+):
     data = blob(3 << 20)
     origin.files["a.tar"] = data
+    spliced = []
+    real = fetch._ThreadedResponse._splice_rest
+
+    def spy(self, fd, report):
+        spliced.append(fd)
+        return real(self, fd, report)
+
+    monkeypatch.setattr(fetch._ThreadedResponse, "_splice_rest", spy)
     body = await fetcher.open(f"{origin.url}/a.tar")
     assert body._pump is not None  # the worker-thread path, not aiohttp's
     assert body.size == len(data)
     got, batches = await pump_to_file(body, tmp_path / "a")
     assert got == data
     assert sum(batches) == len(data)
-    assert len(batches) < len(data) // (64 * KB)  # batched, not one per socket read
+    assert len(batches) < len(data) // (32 * KB)  # batched, not one per socket read
+    assert len(spliced) == (receive_path == "splice")
     assert fetcher.outcomes == ["ok"]
 
 
@@ -211,3 +237,76 @@ async def test_aiohttp_path_still_available(origin, tmp_path):
         assert got == data
     finally:
         await f.close()
+
+
+class StallingOrigin:
+    """A raw HTTP/1.1 origin: the first GET sends ``stall_at`` bytes of the body and then
+    nothing (without closing); later GETs must carry Range + If-Match and get the rest."""
+
+    def __init__(self, data: bytes, stall_at: int) -> None:
+        self.data = data
+        self.stall_at = stall_at
+        self.requests: list[str] = []
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.port = self.srv.getsockname()[1]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.srv.settimeout(0.1)
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.srv.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            req = b""
+            while b"\r\n\r\n" not in req:
+                got = conn.recv(4096)
+                if not got:
+                    return
+                req += got
+            text = req.decode()
+            self.requests.append(text)
+            size = len(self.data)
+            if "Range: bytes=" in text:
+                start = int(text.split("Range: bytes=")[1].split("-")[0])
+                assert 'If-Match: "e1"' in text
+                head = (
+                    f"HTTP/1.1 206 Partial Content\r\nContent-Length: {size - start}\r\n"
+                    f"Content-Range: bytes {start}-{size - 1}/{size}\r\n"
+                    f'ETag: "e1"\r\n\r\n'
+                )
+                conn.sendall(head.encode() + self.data[start:])
+                return
+            head = f'HTTP/1.1 200 OK\r\nContent-Length: {size}\r\nETag: "e1"\r\n\r\n'
+            conn.sendall(head.encode() + self.data[: self.stall_at])
+            self.stop.wait(10)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.srv.close()
+
+
+async def test_stall_mid_body_times_out_and_resumes(tmp_path):
+    data = blob(1 << 20, 11)
+    o = StallingOrigin(data, stall_at=300 * KB)
+    outcomes: list[str] = []
+    f = Fetcher(read_timeout=0.3, retries=2, retry_backoff=0.01, observe=outcomes.append)
+    try:
+        body = await f.open(f"http://127.0.0.1:{o.port}/z.tar")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        got, _ = await pump_to_file(body, tmp_path / "z")
+        assert got == data
+        assert 0.3 <= loop.time() - t0 < 5
+        assert outcomes == ["ok", "resumed"]
+        assert f"Range: bytes={300 * KB}-" in o.requests[1]
+    finally:
+        await f.close()
+        o.close()
