@@ -168,6 +168,7 @@ class _ThreadedResponse:
         self._buf: bytearray | None = None
         self._closed = False
         self._error: BaseException | None = None  # raised by the next batch
+        self._first = True  # the first batch is whatever the first read returns
 
     def batch(self, sink: tuple[int, Any] | None) -> tuple[int, bytes | None]:
         """Receive up to BATCH_BYTES (less if BATCH_SECONDS pass after the first bytes or
@@ -203,13 +204,14 @@ class _ThreadedResponse:
                 if not n:
                     t0 = time.monotonic()
                 n += k
-                if time.monotonic() - t0 >= BATCH_SECONDS:
-                    break
+                if self._first or time.monotonic() - t0 >= BATCH_SECONDS:
+                    break  # the first bytes go out at once: time to first byte
             except (OSError, http.client.HTTPException) as exc:
                 if not n:
                     raise
                 self._error = exc  # hand over what arrived first
                 break
+        self._first = False
         if not n:
             return 0, None
         if sink is None:

@@ -311,6 +311,7 @@ class Inflight:
         body: UpstreamBody | None = None
         partial: Partial | None = None
         wfd: int | None = None
+        failed = False
         try:
             body = await self.fetcher.open(dl.url)
             dl.size, dl.etag = body.size, body.etag
@@ -373,11 +374,11 @@ class Inflight:
             log.info("downloaded %s (%d bytes)", dl.url, dl.written)
         except asyncio.CancelledError:
             dl.error = UpstreamError(f"{dl.url}: download cancelled (shutting down)")
-            dl.state = "failed"
+            failed = True
             raise
         except Exception as exc:
             dl.error = exc
-            dl.state = "failed"
+            failed = True
             if dl.written or isinstance(exc, IncompleteDownloadError):
                 m.failed_downloads.inc()
                 log.warning("download of %s failed after %d bytes: %s", dl.url, dl.written, exc)
@@ -392,6 +393,9 @@ class Inflight:
             if partial is not None and dl.state != "done":
                 with contextlib.suppress(Exception):
                     await asyncio.shield(asyncio.to_thread(self.store.abort, partial))
+            if failed:
+                # only now, with the partial file gone, may clients see the failure
+                dl.state = "failed"
             if self._downloads.get(dl.url) is dl:
                 del self._downloads[dl.url]
             m.downloads_in_progress.dec()
