@@ -310,3 +310,28 @@ async def test_stall_mid_body_times_out_and_resumes(tmp_path):
     finally:
         await f.close()
         o.close()
+
+
+async def test_redirect_is_followed_through_aiohttp(aiohttp_server, tmp_path):
+    from aiohttp import web
+
+    data = blob(200 * KB, 12)
+
+    async def moved(request):
+        raise web.HTTPFound("/real.tar")
+
+    async def real(request):
+        return web.Response(body=data, headers={"ETag": '"r1"'})
+
+    app = web.Application()
+    app.router.add_get("/moved.tar", moved)
+    app.router.add_get("/real.tar", real)
+    server = await aiohttp_server(app)
+    f = Fetcher()
+    try:
+        body = await f.open(f"http://127.0.0.1:{server.port}/moved.tar")
+        assert body._pump is None  # the blocking client does not follow redirects
+        got, _ = await pump_to_file(body, tmp_path / "r")
+        assert got == data
+    finally:
+        await f.close()
