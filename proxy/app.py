@@ -607,7 +607,13 @@ async def _prefetch(request: web.Request) -> web.Response:
             raise BadRequest(f"more than {MAX_PREFETCH} URLs in one prefetch")
         urls.append(_canonical(request, u))
     app = request.app
-    task = asyncio.get_running_loop().create_task(_run_prefetch(app, urls))
+    store = app[STORE]
+    # What is cached when the request is answered is not fetched again, even if it is
+    # purged before the prefetch task gets to it.
+    todo = await asyncio.to_thread(
+        lambda: [u for u in dict.fromkeys(urls) if store.get(u, touch=False) is None]
+    )
+    task = asyncio.get_running_loop().create_task(_run_prefetch(app, todo))
     app[RUNTIME]["prefetch"].add(task)
     task.add_done_callback(app[RUNTIME]["prefetch"].discard)
     return web.json_response({"accepted": len(urls)}, status=202)

@@ -17,14 +17,22 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import email.utils
+import fcntl
+import http.client
 import logging
 import os
 import re
+import select
+import socket
+import ssl
 import stat
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any, NoReturn
 from urllib.parse import unquote, urlsplit
 
 import aiohttp
@@ -56,8 +64,25 @@ Observer = Callable[[str], None]
 _CONTENT_RANGE_RE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
 
 
+BATCH_BYTES = 1 << 20  # a worker thread hands over upstream bytes in batches of this size
+BATCH_SECONDS = 0.05  # ... or whatever arrived within this long, so slow upstreams still flow
+
+
+# Linux: move plain-http bodies socket -> pipe -> file without copying them through Python
+SPLICE = hasattr(os, "splice") and hasattr(fcntl, "F_SETPIPE_SZ")
+
+
 def _noop(outcome: str) -> None:
     pass
+
+
+def _write_all(fd: int, data: Any, hasher: Any) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+    if hasher is not None:
+        hasher.update(data)
 
 
 @dataclass
@@ -72,13 +97,31 @@ class UpstreamBody:
     md5: bytes | None = None  # Content-MD5 (or x-goog-hash md5) to verify, if sent
     _iter: AsyncIterator[bytes] | None = field(default=None, repr=False)
     _close: Callable[[], None] | None = field(default=None, repr=False)
+    _pump: Callable[[int, Any], AsyncIterator[int]] | None = field(default=None, repr=False)
 
     def chunks(self) -> AsyncIterator[bytes]:
-        """The body, resumed across upstream failures; iterate once."""
+        """The body, resumed across upstream failures; iterate once (this or :meth:`pump`)."""
         if self._iter is None:
             raise RuntimeError("body already consumed")
-        it, self._iter = self._iter, None
+        it, self._iter, self._pump = self._iter, None, None
         return it
+
+    def pump(self, fd: int, hasher: Any = None) -> AsyncIterator[int]:
+        """Write the body to ``fd`` (and feed ``hasher``), yielding the count of each batch
+        once it is written; resumed across upstream failures like :meth:`chunks`. Bodies
+        read by a worker thread are received and written there, off the event loop."""
+        if self._pump is not None:
+            pump, self._pump, self._iter = self._pump, None, None
+            return pump(fd, hasher)
+        if self._iter is None:
+            raise RuntimeError("body already consumed")
+        return self._pump_chunks(fd, hasher)
+
+    async def _pump_chunks(self, fd: int, hasher: Any) -> AsyncIterator[int]:
+        loop = asyncio.get_running_loop()
+        async for chunk in self.chunks():
+            await loop.run_in_executor(None, _write_all, fd, chunk, hasher)
+            yield len(chunk)
 
     def close(self) -> None:
         """Release the upstream connection (idempotent)."""
@@ -103,6 +146,187 @@ def _md5_from_headers(headers: aiohttp.typedefs.LooseHeaders) -> bytes | None:
     return digest if len(digest) == 16 else None
 
 
+class _ConnectError(Exception):
+    """Connecting to the upstream failed (the OSError is the cause)."""
+
+
+class _SinkError(Exception):
+    """Writing received bytes to the partial file failed (the OSError is the cause): a
+    local failure, not one of the upstream's, so it is never resumed."""
+
+
+class _ThreadedResponse:
+    """A blocking ``http.client`` response whose body a worker thread receives into one
+    reused buffer. Only :meth:`shutdown` and :meth:`close` may be called from another
+    thread while :meth:`batch` runs."""
+
+    def __init__(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:
+        self.conn = conn
+        self.resp = resp
+        # bytes still due when the length is known and not chunked; else None (read1)
+        self.remaining: int | None = None if resp.chunked else resp.length
+        self._buf: bytearray | None = None
+        self._closed = False
+        self._error: BaseException | None = None  # raised by the next batch
+        self._first = True  # the first batch is whatever the first read returns
+
+    def batch(self, sink: tuple[int, Any] | None) -> tuple[int, bytes | None]:
+        """Receive up to BATCH_BYTES (less if BATCH_SECONDS pass after the first bytes or
+        the body ends), then write them to ``sink`` (fd, hasher) or return them. Returns
+        (0, None) at the end of the body; raises OSError/HTTPException on a failure,
+        ConnectionError if the connection ends before Content-Length."""
+        if self._error is not None:
+            exc, self._error = self._error, None
+            raise exc
+        if self._buf is None:
+            self._buf = bytearray(BATCH_BYTES)
+        view = memoryview(self._buf)
+        n = 0
+        t0 = 0.0
+        fp = self.resp.fp
+        while n < BATCH_BYTES:
+            try:
+                if self.remaining is not None:
+                    if self.remaining == 0:
+                        break
+                    if fp is None:
+                        raise ConnectionError("connection closed")
+                    k = fp.readinto1(view[n : n + min(BATCH_BYTES - n, self.remaining)])
+                    if not k:
+                        raise ConnectionError(f"connection closed with {self.remaining} bytes due")
+                    self.remaining -= k
+                else:
+                    data = self.resp.read1(BATCH_BYTES - n)
+                    k = len(data)
+                    if not k:
+                        break
+                    view[n : n + k] = data
+                if not n:
+                    t0 = time.monotonic()
+                n += k
+                if self._first or time.monotonic() - t0 >= BATCH_SECONDS:
+                    break  # the first bytes go out at once: time to first byte
+            except (OSError, http.client.HTTPException) as exc:
+                if not n:
+                    raise
+                self._error = exc  # hand over what arrived first
+                break
+        self._first = False
+        if not n:
+            return 0, None
+        if sink is None:
+            return n, bytes(view[:n])
+        try:
+            _write_all(sink[0], view[:n], sink[1])
+        except OSError as exc:
+            raise _SinkError(exc) from exc
+        return n, None
+
+    def run(self, sink: tuple[int, Any], report: Callable[[int], None]) -> None:
+        """Receive and write batches until the body ends, calling ``report`` with the size
+        of each batch once written. Raises like :meth:`batch`."""
+        while True:
+            n, _ = self.batch(sink)
+            if not n:
+                return
+            report(n)
+            if self._can_splice(sink):
+                # the parser's buffer is drained: the rest moves socket -> pipe -> file
+                # in the kernel, never copied through this process
+                self._splice_rest(sink[0], report)
+
+    def _can_splice(self, sink: tuple[int, Any]) -> bool:
+        sock = self.conn.sock
+        return (
+            SPLICE
+            and sink[1] is None  # nothing to hash
+            and bool(self.remaining)
+            and self._error is None
+            and isinstance(sock, socket.socket)
+            and not isinstance(sock, ssl.SSLSocket)
+        )
+
+    def _splice_rest(self, fd: int, report: Callable[[int], None]) -> None:
+        """Move the rest of a Content-Length body from the socket to ``fd`` with splice,
+        in batches of up to BATCH_BYTES (or what arrived within BATCH_SECONDS). Raises
+        TimeoutError after read_timeout without a byte, ConnectionError on an early end,
+        _SinkError when writing to ``fd`` fails."""
+        sock = self.conn.sock
+        sfd = sock.fileno()
+        timeout = sock.gettimeout()
+        idle_ms = None if timeout is None else max(1, int(timeout * 1000))
+        poller = select.poll()
+        poller.register(sfd, select.POLLIN)
+        r, w = os.pipe()
+        try:
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, BATCH_BYTES)
+            flags = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
+            while self.remaining:
+                n = 0
+                t0 = 0.0
+                failure: BaseException | None = None
+                while self.remaining and n < BATCH_BYTES:
+                    try:
+                        k = os.splice(sfd, w, min(BATCH_BYTES - n, self.remaining), flags=flags)
+                    except BlockingIOError:
+                        if n:
+                            left = BATCH_SECONDS - (time.monotonic() - t0)
+                            # the pipe may be full, or the socket empty: flush if either
+                            if left <= 0 or not poller.poll(int(left * 1000)):
+                                break
+                            try:
+                                k = os.splice(
+                                    sfd, w, min(BATCH_BYTES - n, self.remaining), flags=flags
+                                )
+                            except BlockingIOError:
+                                break  # readable but the pipe is full
+                        else:
+                            if not poller.poll(idle_ms):
+                                failure = TimeoutError("timed out")
+                                break
+                            continue
+                    except OSError as exc:
+                        failure = exc
+                        break
+                    if not k:
+                        failure = ConnectionError(
+                            f"connection closed with {self.remaining} bytes due"
+                        )
+                        break
+                    if not n:
+                        t0 = time.monotonic()
+                    n += k
+                    self.remaining -= k
+                left_in_pipe = n
+                try:
+                    while left_in_pipe:
+                        left_in_pipe -= os.splice(r, fd, left_in_pipe)
+                except OSError as exc:
+                    raise _SinkError(exc) from exc
+                if n:
+                    report(n)
+                if failure is not None:
+                    raise failure
+        finally:
+            os.close(r)
+            os.close(w)
+
+    def shutdown(self) -> None:
+        """Make a receive blocked in another thread return."""
+        sock = self.conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.shutdown()
+            self.resp.close()
+            self.conn.close()
+
+
 class Fetcher:
     """Opens upstream URLs. Create inside a running loop; :meth:`close` when done."""
 
@@ -120,6 +344,7 @@ class Fetcher:
         parallel: int = 1,
         http_parts: bool = False,
         s3: S3Upstream | None = None,
+        threaded: bool = True,
     ) -> None:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
@@ -134,6 +359,12 @@ class Fetcher:
         self.part_size = part_size
         self.parallel = parallel
         self.http_parts = http_parts
+        # One stream per http(s) object is received by a worker thread (blocking sockets,
+        # written to the partial file there), which frees the event loop and lets a second
+        # core work; aiohttp keeps parallel parts and what the thread does not handle.
+        self.threaded = threaded
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._ssl: ssl.SSLContext | None = None
         self._s3 = (
             None
             if s3 is None
@@ -171,6 +402,9 @@ class Fetcher:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     async def open(self, url: str) -> UpstreamBody:
         """Request ``url`` and return once its headers are in. Raises ProxyError subclasses."""
@@ -212,7 +446,11 @@ class Fetcher:
         if status == 200 and not start or status == 206 and start:
             return resp
         resp.release()
-        reason = f"{status} {resp.reason or ''}".strip()
+        self._refuse(url, status, resp.reason, start)
+
+    def _refuse(self, url: str, status: int, reason_text: str | None, start: int) -> NoReturn:
+        """Raise the error for an upstream answer other than 200 (206 when resuming)."""
+        reason = f"{status} {reason_text or ''}".strip()
         if status in (404, 410):
             self.observe("not_found")
             raise NotFound(f"upstream {url} answered {reason}")
@@ -225,6 +463,10 @@ class Fetcher:
         raise UpstreamError(f"upstream {url} answered {reason}")
 
     async def _open_http(self, url: str) -> UpstreamBody:
+        if self.threaded and not (self.http_parts and self.parallel > 1 and self.part_size > 0):
+            body = await self._open_threaded(url)
+            if body is not None:
+                return body
         resp = await self._request(url)
         self.observe("ok")
         h = resp.headers
@@ -344,6 +586,237 @@ class Fetcher:
                     raise IncompleteDownloadError(body.url, pos, body.size) from exc
                 self.observe("resumed")
                 state["resp"] = new
+
+    # -- http(s) in a worker thread --------------------------------------------------------
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            # Its own pool: a thread blocked on a slow upstream must not starve the store's
+            # and the readers' to_thread calls on the default executor.
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=64, thread_name_prefix="upstream"
+            )
+        return self._pool
+
+    async def _in_thread(self, tr: _ThreadedResponse, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the upstream pool. If cancelled, shut the socket down so a blocked
+        receive returns, and wait until the thread has let go (it may be writing to a
+        descriptor the caller is about to close)."""
+        fut = asyncio.get_running_loop().run_in_executor(self._executor(), fn)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            tr.shutdown()
+            with contextlib.suppress(BaseException):
+                await fut
+            raise
+
+    async def _run_to_sink(
+        self, tr: _ThreadedResponse, sink: tuple[int, Any]
+    ) -> AsyncIterator[int]:
+        """Let a worker thread receive and write the whole body without stopping, and
+        yield the bytes written since the last step (one wake-up per batch at most);
+        raise what the thread raised once every byte it wrote is counted."""
+        loop = asyncio.get_running_loop()
+        pending = 0
+        wake = asyncio.Event()
+
+        def progress(n: int) -> None:
+            nonlocal pending
+            pending += n
+            wake.set()
+
+        def report(n: int) -> None:  # in the worker thread
+            loop.call_soon_threadsafe(progress, n)
+
+        fut = loop.run_in_executor(self._executor(), tr.run, sink, report)
+        fut.add_done_callback(lambda _: wake.set())
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                if pending:
+                    n, pending = pending, 0
+                    yield n
+                if fut.done() and not pending:
+                    # progress callbacks were queued before the future completed
+                    fut.result()
+                    return
+        except (asyncio.CancelledError, GeneratorExit):
+            tr.shutdown()
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(fut)
+            raise
+
+    def _blocking_get(self, url: str, headers: dict[str, str]) -> _ThreadedResponse:
+        """Connect (within connect_timeout), send the GET, read the status and headers
+        (within read_timeout). Runs in a worker thread; raises OSError/HTTPException."""
+        u = urlsplit(url)
+        host = u.hostname or ""
+        if u.scheme.lower() == "https":
+            if self._ssl is None:
+                self._ssl = ssl.create_default_context()
+            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                host, u.port, timeout=self.connect_timeout, context=self._ssl
+            )
+        else:
+            conn = http.client.HTTPConnection(host, u.port, timeout=self.connect_timeout)
+        try:
+            try:
+                conn.connect()
+            except OSError as exc:
+                raise _ConnectError(exc) from exc
+            conn.sock.settimeout(self.read_timeout)
+            target = (u.path or "/") + (f"?{u.query}" if u.query else "")
+            conn.request("GET", target, headers=headers)
+            resp = conn.getresponse()
+        except BaseException:
+            conn.close()
+            raise
+        return _ThreadedResponse(conn, resp)
+
+    async def _thread_request(
+        self, url: str, start: int = 0, etag: str | None = None, last_modified: str | None = None
+    ) -> _ThreadedResponse | None:
+        """Like :meth:`_request` over a blocking connection; None for a redirect (the
+        caller then uses aiohttp, which follows it)."""
+        headers = {"User-Agent": f"shardcache/{__version__}", "Accept-Encoding": "identity"}
+        if start:
+            headers["Range"] = f"bytes={start}-"
+            if etag:
+                headers["If-Match"] = etag
+            elif last_modified:
+                headers["If-Unmodified-Since"] = last_modified
+        loop = asyncio.get_running_loop()
+        try:
+            tr = await loop.run_in_executor(self._executor(), self._blocking_get, url, headers)
+        except _ConnectError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, TimeoutError):
+                self.observe("timeout")
+                raise UpstreamTimeout(f"upstream {url} timed out") from exc
+            self.observe("error")
+            raise UpstreamError(f"upstream {url} unreachable: {cause}") from exc
+        except TimeoutError as exc:
+            self.observe("timeout")
+            raise UpstreamTimeout(f"upstream {url} timed out") from exc
+        except (OSError, http.client.HTTPException) as exc:
+            self.observe("error")
+            raise UpstreamError(f"upstream {url} failed: {exc or type(exc).__name__}") from exc
+        status = tr.resp.status
+        if status == 200 and not start or status == 206 and start:
+            return tr
+        tr.close()
+        if 300 <= status < 400 and status != 304 and not start:
+            return None
+        self._refuse(url, status, tr.resp.reason, start)
+
+    async def _open_threaded(self, url: str) -> UpstreamBody | None:
+        u = urlsplit(url)
+        if u.username or u.password:
+            return None  # credentials in the URL: aiohttp turns them into Basic auth
+        tr = await self._thread_request(url)
+        if tr is None:
+            return None
+        self.observe("ok")
+        h = tr.resp.headers
+        size = (
+            tr.resp.length if h.get("Content-Length") is not None and not tr.resp.chunked else None
+        )
+        if h.get("Content-Encoding", "identity").lower() != "identity":
+            log.warning("upstream %s sent Content-Encoding %s", url, h["Content-Encoding"])
+        body = UpstreamBody(
+            url=url,
+            size=size,
+            etag=h.get("ETag"),
+            last_modified=h.get("Last-Modified"),
+            content_type=h.get("Content-Type"),
+            md5=_md5_from_headers(h),  # type: ignore[arg-type]
+        )
+        state: dict[str, Any] = {"tr": tr}
+
+        def close() -> None:
+            state["tr"].close()
+
+        body._close = close
+        body._iter = self._threaded_body(body, state, None)
+        body._pump = lambda fd, hasher: self._threaded_body(body, state, (fd, hasher))
+        return body
+
+    async def _threaded_body(
+        self, body: UpstreamBody, state: dict[str, Any], sink: tuple[int, Any] | None
+    ) -> AsyncIterator[Any]:
+        """Receive the body in a worker thread, one batch per hand-over. With ``sink``
+        (fd, hasher) the thread writes each batch there and this yields its size; without,
+        it yields the bytes. Resumes like :meth:`_http_chunks`."""
+        pos = 0
+        attempt = 0
+        while True:
+            tr: _ThreadedResponse = state["tr"]
+            try:
+                if sink is not None:
+                    async for n in self._run_to_sink(tr, sink):
+                        pos += n
+                        if self.on_bytes is not None:
+                            self.on_bytes(n)
+                        yield n
+                while sink is None:
+                    n, data = await self._in_thread(tr, lambda tr=tr: tr.batch(None))
+                    if not n:
+                        break
+                    pos += n
+                    if self.on_bytes is not None:
+                        self.on_bytes(n)
+                    yield data
+                if body.size is not None and pos != body.size:
+                    raise ConnectionError(f"body ended at {pos} of {body.size} bytes")
+                tr.close()
+                return
+            except _SinkError as exc:
+                tr.close()
+                raise exc.__cause__ from None  # type: ignore[misc]
+            except (OSError, http.client.HTTPException) as exc:
+                tr.close()
+                cause = str(exc) or type(exc).__name__
+                resumable = body.etag is not None or body.last_modified is not None
+                if attempt >= self.retries or not resumable:
+                    self.observe("aborted")
+                    log.warning(
+                        "upstream %s failed at byte %d, giving up: %s", body.url, pos, cause
+                    )
+                    raise IncompleteDownloadError(body.url, pos, body.size) from exc
+                attempt += 1
+                delay = self.retry_backoff * 2 ** (attempt - 1)
+                log.info(
+                    "upstream %s failed at byte %d (%s); resume %d/%d in %.2fs",
+                    body.url,
+                    pos,
+                    cause,
+                    attempt,
+                    self.retries,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                try:
+                    new = await self._thread_request(body.url, pos, body.etag, body.last_modified)
+                except ProxyError as exc2:
+                    log.warning("upstream %s: resume failed: %s", body.url, exc2)
+                    self.observe("aborted")
+                    raise IncompleteDownloadError(body.url, pos, body.size) from exc2
+                if new is None:  # a redirect where a 206 was due: cannot resume
+                    self.observe("aborted")
+                    raise IncompleteDownloadError(body.url, pos, body.size) from exc
+                m = _CONTENT_RANGE_RE.match(new.resp.headers.get("Content-Range", ""))
+                same = m and int(m.group(1)) == pos
+                if same and body.size is not None and m.group(3) != "*":
+                    same = int(m.group(3)) == body.size
+                new_etag = new.resp.headers.get("ETag")
+                if not same or (body.etag and new_etag not in (None, body.etag)):
+                    new.close()
+                    self.observe("aborted")
+                    raise IncompleteDownloadError(body.url, pos, body.size) from exc
+                self.observe("resumed")
+                state["tr"] = new
 
     # -- file ------------------------------------------------------------------------------
 

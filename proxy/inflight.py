@@ -54,15 +54,6 @@ class DownloadFailed(Exception):
         super().__init__(f"{url}: download failed: {cause}")
 
 
-def _write_all(fd: int, data: bytes, hasher: Any) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-    if hasher is not None:
-        hasher.update(data)
-
-
 class Download:
     """The shared state of one upstream download. Created by :class:`Inflight`."""
 
@@ -320,6 +311,7 @@ class Inflight:
         body: UpstreamBody | None = None
         partial: Partial | None = None
         wfd: int | None = None
+        failed = False
         try:
             body = await self.fetcher.open(dl.url)
             dl.size, dl.etag = body.size, body.etag
@@ -350,9 +342,10 @@ class Inflight:
             dl.state = "streaming"
             dl._notify()
             hasher = hashlib.md5(usedforsecurity=False) if body.md5 else None
-            async for chunk in body.chunks():
-                await loop.run_in_executor(None, _write_all, wfd, chunk, hasher)
-                dl.written += len(chunk)
+            # Batches of up to 1 MiB, written off the loop (by the thread that received
+            # them when the fetcher has one): the readers wake once per batch.
+            async for n in body.pump(wfd, hasher):
+                dl.written += n
                 dl._notify()
                 if dl.cached and body.size is None and dl.written > partial.reserved:
                     await self._grow(dl, partial)
@@ -381,11 +374,11 @@ class Inflight:
             log.info("downloaded %s (%d bytes)", dl.url, dl.written)
         except asyncio.CancelledError:
             dl.error = UpstreamError(f"{dl.url}: download cancelled (shutting down)")
-            dl.state = "failed"
+            failed = True
             raise
         except Exception as exc:
             dl.error = exc
-            dl.state = "failed"
+            failed = True
             if dl.written or isinstance(exc, IncompleteDownloadError):
                 m.failed_downloads.inc()
                 log.warning("download of %s failed after %d bytes: %s", dl.url, dl.written, exc)
@@ -400,6 +393,9 @@ class Inflight:
             if partial is not None and dl.state != "done":
                 with contextlib.suppress(Exception):
                     await asyncio.shield(asyncio.to_thread(self.store.abort, partial))
+            if failed:
+                # only now, with the partial file gone, may clients see the failure
+                dl.state = "failed"
             if self._downloads.get(dl.url) is dl:
                 del self._downloads[dl.url]
             m.downloads_in_progress.dec()
