@@ -94,7 +94,20 @@ async def run_server(settings: Settings, stop: asyncio.Event | None = None) -> N
         )
     finally:
         await runner.cleanup()
+        _ignore_further_signals(loop)
         log.info("stopped")
+
+
+def _ignore_further_signals(loop: asyncio.AbstractEventLoop) -> None:
+    """After the drain, a repeated SIGTERM/SIGINT must not kill the exiting process with a
+    signal status: closing the loop would restore the default handlers while thread pools
+    are still being joined, so take the handlers off now and ignore the signals."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            pass
 
 
 def _check_command(args: argparse.Namespace) -> int:
