@@ -30,7 +30,7 @@ import socket
 import ssl
 import stat
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 from urllib.parse import unquote, urlsplit
@@ -148,6 +148,18 @@ def _md5_from_headers(headers: aiohttp.typedefs.LooseHeaders) -> bytes | None:
 
 class _ConnectError(Exception):
     """Connecting to the upstream failed (the OSError is the cause)."""
+
+
+def _resumes_at(body: UpstreamBody, pos: int, headers: Mapping[str, str]) -> bool:
+    """Whether a resume response continues ``body`` at ``pos``: its Content-Range starts
+    there, names the same total size, and the ETag (when both sides have one) matches."""
+    m = _CONTENT_RANGE_RE.match(headers.get("Content-Range", ""))
+    if not m or int(m.group(1)) != pos:
+        return False
+    if body.size is not None and m.group(3) != "*" and int(m.group(3)) != body.size:
+        return False
+    etag = headers.get("ETag")
+    return not (body.etag and etag not in (None, body.etag))
 
 
 class _SinkError(Exception):
@@ -550,42 +562,44 @@ class Fetcher:
                 return
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 resp.close()
-                cause = str(exc) or type(exc).__name__
-                resumable = body.etag is not None or body.last_modified is not None
-                if attempt >= self.retries or not resumable:
-                    self.observe("aborted")
-                    log.warning(
-                        "upstream %s failed at byte %d, giving up: %s", body.url, pos, cause
-                    )
-                    raise IncompleteDownloadError(body.url, pos, body.size) from exc
                 attempt += 1
-                delay = self.retry_backoff * 2 ** (attempt - 1)
-                log.info(
-                    "upstream %s failed at byte %d (%s); resume %d/%d in %.2fs",
-                    body.url,
-                    pos,
-                    cause,
-                    attempt,
-                    self.retries,
-                    delay,
-                )
-                await asyncio.sleep(delay)
+                await self._before_resume(body, pos, attempt, exc)
                 try:
                     new = await self._request(body.url, pos, body.etag, body.last_modified)
                 except ProxyError as exc2:
                     log.warning("upstream %s: resume failed: %s", body.url, exc2)
                     self.observe("aborted")
                     raise IncompleteDownloadError(body.url, pos, body.size) from exc2
-                m = _CONTENT_RANGE_RE.match(new.headers.get("Content-Range", ""))
-                same = m and int(m.group(1)) == pos
-                if same and body.size is not None and m.group(3) != "*":
-                    same = int(m.group(3)) == body.size
-                if not same or (body.etag and new.headers.get("ETag") not in (None, body.etag)):
+                if not _resumes_at(body, pos, new.headers):
                     new.close()
                     self.observe("aborted")
                     raise IncompleteDownloadError(body.url, pos, body.size) from exc
                 self.observe("resumed")
                 state["resp"] = new
+
+    async def _before_resume(
+        self, body: UpstreamBody, pos: int, attempt: int, exc: BaseException
+    ) -> None:
+        """After a body failed at ``pos``: give up (IncompleteDownloadError) when retries
+        are spent or nothing pins the object's version, else wait the backoff for try
+        ``attempt``."""
+        cause = str(exc) or type(exc).__name__
+        resumable = body.etag is not None or body.last_modified is not None
+        if attempt > self.retries or not resumable:
+            self.observe("aborted")
+            log.warning("upstream %s failed at byte %d, giving up: %s", body.url, pos, cause)
+            raise IncompleteDownloadError(body.url, pos, body.size) from exc
+        delay = self.retry_backoff * 2 ** (attempt - 1)
+        log.info(
+            "upstream %s failed at byte %d (%s); resume %d/%d in %.2fs",
+            body.url,
+            pos,
+            cause,
+            attempt,
+            self.retries,
+            delay,
+        )
+        await asyncio.sleep(delay)
 
     # -- http(s) in a worker thread --------------------------------------------------------
 
@@ -777,26 +791,8 @@ class Fetcher:
                 raise exc.__cause__ from None  # type: ignore[misc]
             except (OSError, http.client.HTTPException) as exc:
                 tr.close()
-                cause = str(exc) or type(exc).__name__
-                resumable = body.etag is not None or body.last_modified is not None
-                if attempt >= self.retries or not resumable:
-                    self.observe("aborted")
-                    log.warning(
-                        "upstream %s failed at byte %d, giving up: %s", body.url, pos, cause
-                    )
-                    raise IncompleteDownloadError(body.url, pos, body.size) from exc
                 attempt += 1
-                delay = self.retry_backoff * 2 ** (attempt - 1)
-                log.info(
-                    "upstream %s failed at byte %d (%s); resume %d/%d in %.2fs",
-                    body.url,
-                    pos,
-                    cause,
-                    attempt,
-                    self.retries,
-                    delay,
-                )
-                await asyncio.sleep(delay)
+                await self._before_resume(body, pos, attempt, exc)
                 try:
                     new = await self._thread_request(body.url, pos, body.etag, body.last_modified)
                 except ProxyError as exc2:
@@ -806,12 +802,7 @@ class Fetcher:
                 if new is None:  # a redirect where a 206 was due: cannot resume
                     self.observe("aborted")
                     raise IncompleteDownloadError(body.url, pos, body.size) from exc
-                m = _CONTENT_RANGE_RE.match(new.resp.headers.get("Content-Range", ""))
-                same = m and int(m.group(1)) == pos
-                if same and body.size is not None and m.group(3) != "*":
-                    same = int(m.group(3)) == body.size
-                new_etag = new.resp.headers.get("ETag")
-                if not same or (body.etag and new_etag not in (None, body.etag)):
+                if not _resumes_at(body, pos, new.resp.headers):
                     new.close()
                     self.observe("aborted")
                     raise IncompleteDownloadError(body.url, pos, body.size) from exc
