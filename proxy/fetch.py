@@ -30,7 +30,7 @@ import socket
 import ssl
 import stat
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 from urllib.parse import unquote, urlsplit
@@ -563,19 +563,37 @@ class Fetcher:
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 resp.close()
                 attempt += 1
-                await self._before_resume(body, pos, attempt, exc)
-                try:
-                    new = await self._request(body.url, pos, body.etag, body.last_modified)
-                except ProxyError as exc2:
-                    log.warning("upstream %s: resume failed: %s", body.url, exc2)
-                    self.observe("aborted")
-                    raise IncompleteDownloadError(body.url, pos, body.size) from exc2
-                if not _resumes_at(body, pos, new.headers):
-                    new.close()
-                    self.observe("aborted")
-                    raise IncompleteDownloadError(body.url, pos, body.size) from exc
-                self.observe("resumed")
-                state["resp"] = new
+                state["resp"] = await self._resume(
+                    body, pos, attempt, exc, self._request, lambda r: r.headers
+                )
+
+    async def _resume(
+        self,
+        body: UpstreamBody,
+        pos: int,
+        attempt: int,
+        exc: BaseException,
+        request: Callable[..., Awaitable[Any]],
+        headers_of: Callable[[Any], Mapping[str, str]],
+    ) -> Any:
+        """Resume ``body`` at ``pos`` after ``exc`` (try ``attempt``) with ``request``
+        (``Range`` + ``If-Match``); the new response, or IncompleteDownloadError when the
+        retries are spent, the request fails, or the answer does not continue the body
+        (``request`` returns None for a redirect where a 206 was due)."""
+        await self._before_resume(body, pos, attempt, exc)
+        try:
+            new = await request(body.url, pos, body.etag, body.last_modified)
+        except ProxyError as exc2:
+            log.warning("upstream %s: resume failed: %s", body.url, exc2)
+            self.observe("aborted")
+            raise IncompleteDownloadError(body.url, pos, body.size) from exc2
+        if new is None or not _resumes_at(body, pos, headers_of(new)):
+            if new is not None:
+                new.close()
+            self.observe("aborted")
+            raise IncompleteDownloadError(body.url, pos, body.size) from exc
+        self.observe("resumed")
+        return new
 
     async def _before_resume(
         self, body: UpstreamBody, pos: int, attempt: int, exc: BaseException
@@ -792,22 +810,9 @@ class Fetcher:
             except (OSError, http.client.HTTPException) as exc:
                 tr.close()
                 attempt += 1
-                await self._before_resume(body, pos, attempt, exc)
-                try:
-                    new = await self._thread_request(body.url, pos, body.etag, body.last_modified)
-                except ProxyError as exc2:
-                    log.warning("upstream %s: resume failed: %s", body.url, exc2)
-                    self.observe("aborted")
-                    raise IncompleteDownloadError(body.url, pos, body.size) from exc2
-                if new is None:  # a redirect where a 206 was due: cannot resume
-                    self.observe("aborted")
-                    raise IncompleteDownloadError(body.url, pos, body.size) from exc
-                if not _resumes_at(body, pos, new.resp.headers):
-                    new.close()
-                    self.observe("aborted")
-                    raise IncompleteDownloadError(body.url, pos, body.size) from exc
-                self.observe("resumed")
-                state["tr"] = new
+                state["tr"] = await self._resume(
+                    body, pos, attempt, exc, self._thread_request, lambda t: t.resp.headers
+                )
 
     # -- file ------------------------------------------------------------------------------
 
