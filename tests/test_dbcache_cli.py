@@ -2,28 +2,16 @@
 
 import functools
 import http.server
-import io
 import json
 import os
 import subprocess
 import sys
-import tarfile
 import threading
 
 import pytest
+from test_dbcache import write_shard
 
 from dbcache import DBCache
-
-
-def write_shard(path, samples):
-    with tarfile.open(path, "w") as tar:
-        for sample in samples:
-            for name, value in sample.items():
-                if name.startswith("__"):
-                    continue
-                member = tarfile.TarInfo(f"{sample['__key__']}.{name}")
-                member.size = len(value)
-                tar.addfile(member, io.BytesIO(value))
 
 
 class Recorder(http.server.SimpleHTTPRequestHandler):
