@@ -10,7 +10,9 @@ boundary (``raise GopenError(...) from exc``) so callers catch one family::
     ├── ProxyURLError (also ValueError)                   -- a URL cannot be rewritten for a proxy
     ├── CacheError (also OSError)                         -- the on-disk store failed
     │   ├── IncompleteDownloadError                       -- a source ended before its promised size
-    │   └── NoRoomError                                   -- a download no longer fits cache_size
+    │   ├── NoRoomError                                   -- a download no longer fits cache_size
+    │   ├── StoreWriteError                               -- the disk or index refused a write
+    │   └── StoreUnusable                                 -- the store cannot be opened for writing
     ├── DBCacheError                                      -- a DBCache file cannot be used
     ├── ConfigError (also ValueError)                     -- a bad setting; names the flag
     └── ProxyError                                        -- carries the HTTP status to answer with
@@ -35,6 +37,8 @@ __all__ = [
     "CacheError",
     "IncompleteDownloadError",
     "NoRoomError",
+    "StoreWriteError",
+    "StoreUnusable",
     "DBCacheError",
     "ConfigError",
     "ProxyError",
@@ -119,6 +123,37 @@ class NoRoomError(CacheError):
 
     def __reduce__(self):
         return (type(self), (self.url, self.size, self.limit))
+
+
+class StoreWriteError(CacheError):
+    """The store could not write: disk full (ENOSPC), quota (EDQUOT), I/O error (EIO),
+    read-only filesystem or index (EROFS), file too large (EFBIG).
+
+    ``op`` names what failed (``write``, ``create``, ``commit``, ``index``); ``errno`` is
+    the errno number (None when unknown) and ``errno_name`` its symbol. Callers stop
+    caching and pass bytes through; the store is no worse than before the write.
+    """
+
+    def __init__(self, op: str, path: str, errno_: int | None, detail: str) -> None:
+        super().__init__(f"{path}: cannot {op}: {detail}")
+        self.op = op
+        self.path = path
+        self.errno = errno_
+        self.detail = detail
+
+    @property
+    def errno_name(self) -> str:
+        import errno as _errno
+
+        return _errno.errorcode.get(self.errno or 0, "EUNKNOWN")
+
+    def __reduce__(self):
+        return (type(self), (self.op, self.path, self.errno, self.detail))
+
+
+class StoreUnusable(CacheError):
+    """The cache directory or its index cannot be used at all (not creatable, not
+    writable, from a newer format). The message names the path, the uid and what to do."""
 
 
 class DBCacheError(ShardcacheError):

@@ -21,11 +21,28 @@ Which entries to evict is decided by :func:`choose_victims`, a pure function ove
 The store is synchronous. Async callers run each call in a thread
 (``asyncio.to_thread``); each call is one transaction plus a stat or a rename.
 SQLite's locking needs a local filesystem (WAL does not work over NFS).
+
+Hits write nothing: :meth:`Store.lookup` answers from an in-memory map of the entries this
+process has seen (falling back to a read-only query of the index, which never waits for a
+writer in WAL mode), and :meth:`Store.touch` records the access in memory. The recorded
+accesses reach the index in one transaction per :meth:`Store.flush_access` (the proxy calls
+it every second and on close), and before any eviction decision, so LRU order and hit
+counts survive a clean restart and a crash loses at most one batch. An entry another
+process evicted is found missing when its file is opened, and becomes a miss.
+
+Free space: besides ``cache_size``, the store keeps ``min_free`` bytes of its filesystem
+free. Admission counts every reservation as not yet written, so the disk does not fill in
+normal operation even when other files on it grow. A write that fails all the same (ENOSPC,
+EDQUOT, EIO, EROFS) raises :class:`StoreWriteError`, naming the operation and errno.
+
+The index carries a format version (``PRAGMA user_version``): an older index is migrated
+when opened, a newer one is refused with :class:`StoreUnusable`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -39,7 +56,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from shardcache.errors import CacheError, IncompleteDownloadError, NoRoomError
+from shardcache.errors import (
+    CacheError,
+    IncompleteDownloadError,
+    NoRoomError,
+    StoreUnusable,
+    StoreWriteError,
+)
 from shardcache.urls import shard_uuid
 
 __all__ = [
@@ -52,6 +75,9 @@ __all__ = [
     "choose_victims",
     "eviction_order",
     "INDEX_NAME",
+    "FORMAT_VERSION",
+    "STORE_ERRNOS",
+    "store_write_error",
 ]
 
 log = logging.getLogger(__name__)
@@ -64,6 +90,61 @@ PART_SUFFIX = ".part"
 DEL_SUFFIX = ".del"
 STALE_AGE = 24 * 3600.0  # a .part or reservation older than this is stale whatever its pid
 BUSY_TIMEOUT_MS = 60_000
+FORMAT_VERSION = 2  # 1: no version recorded (0 in user_version); 2: adds entries.validated
+DEFAULT_MIN_FREE_FRACTION = 0.05
+DEFAULT_MIN_FREE_CAP = 1 << 30  # the default keeps 5% of the filesystem free, at most 1 GiB
+# errnos that mean "the disk or index cannot take this write", not a bug or a network error
+STORE_ERRNOS = frozenset(
+    e
+    for e in (
+        errno.ENOSPC,
+        getattr(errno, "EDQUOT", None),
+        errno.EIO,
+        errno.EROFS,
+        errno.EFBIG,
+        errno.EACCES,
+        errno.EPERM,
+    )
+    if e is not None
+)
+_SQLITE_ERRNO = {
+    "SQLITE_FULL": errno.ENOSPC,
+    "SQLITE_READONLY": errno.EROFS,
+    "SQLITE_READONLY_DBMOVED": errno.EROFS,
+    "SQLITE_READONLY_RECOVERY": errno.EROFS,
+    "SQLITE_READONLY_CANTLOCK": errno.EROFS,
+    "SQLITE_READONLY_ROLLBACK": errno.EROFS,
+    "SQLITE_IOERR": errno.EIO,
+    "SQLITE_CANTOPEN": errno.EACCES,
+    "SQLITE_PERM": errno.EPERM,
+}
+
+
+def store_write_error(op: str, path: object, exc: BaseException) -> StoreWriteError | None:
+    """The :class:`StoreWriteError` for ``exc`` if it is a write refusal (disk full, quota,
+    I/O error, read-only, permission), else None. Knows OSError and sqlite3.Error."""
+    if isinstance(exc, StoreWriteError):
+        return exc
+    if isinstance(exc, sqlite3.Error):
+        name = getattr(exc, "sqlite_errorname", "") or ""
+        code = _SQLITE_ERRNO.get(name)
+        if code is None:
+            code = next((v for k, v in _SQLITE_ERRNO.items() if name.startswith(k)), None)
+        if code is None:
+            text = str(exc).lower()
+            if "disk is full" in text or "database or disk is full" in text:
+                code = errno.ENOSPC
+            elif "readonly" in text or "read-only" in text:
+                code = errno.EROFS
+            elif "disk i/o error" in text:
+                code = errno.EIO
+        if code is None:
+            return None
+        return StoreWriteError(op, str(path), code, f"{exc} ({errno.errorcode[code]})")
+    if isinstance(exc, OSError) and not isinstance(exc, CacheError):
+        if exc.errno in STORE_ERRNOS:
+            return StoreWriteError(op, str(path), exc.errno, exc.strerror or str(exc))
+    return None
 
 
 class _Rollback(Exception):
@@ -84,6 +165,7 @@ class Entry:
     created: float
     last_access: float
     hits: int
+    validated: float = 0.0  # when the upstream last confirmed these bytes (created, or a 304)
 
 
 @dataclass
@@ -223,7 +305,8 @@ CREATE TABLE IF NOT EXISTS entries (
     content_type TEXT,
     created REAL NOT NULL,
     last_access REAL NOT NULL,
-    hits INTEGER NOT NULL DEFAULT 0
+    hits INTEGER NOT NULL DEFAULT 0,
+    validated REAL
 );
 CREATE INDEX IF NOT EXISTS entries_last_access ON entries(last_access);
 CREATE INDEX IF NOT EXISTS entries_created ON entries(created);
@@ -239,7 +322,29 @@ CREATE TABLE IF NOT EXISTS reservations (
 );
 """
 
-_ENTRY_COLS = "key, url, size, etag, last_modified, content_type, created, last_access, hits"
+_ENTRY_COLS = (
+    "key, url, size, etag, last_modified, content_type, created, last_access, hits, validated"
+)
+_ENTRY_INSERT = f"INSERT INTO entries ({_ENTRY_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+
+
+def _uid() -> str:
+    getuid = getattr(os, "getuid", None)
+    return str(getuid()) if getuid is not None else "?"
+
+
+def resolve_min_free(spec: int | float | None, total: int) -> int:
+    """Bytes to keep free on a filesystem of ``total`` bytes: ``spec`` bytes (int), a
+    fraction of the filesystem (float below 1), or None for the default (5%, at most 1 GiB)."""
+    if spec is None:
+        return min(int(total * DEFAULT_MIN_FREE_FRACTION), DEFAULT_MIN_FREE_CAP)
+    if isinstance(spec, float) and not spec.is_integer() or isinstance(spec, float) and spec < 1:
+        if not 0 <= spec < 1:
+            raise ValueError(f"min_free fraction must be in [0, 1), got {spec}")
+        return int(total * spec)
+    if spec < 0:
+        raise ValueError(f"min_free must be >= 0, got {spec}")
+    return int(spec)
 
 
 # --------------------------------------------------------------------------------------
@@ -260,6 +365,12 @@ class Store:
     Opening reconciles the index with the directory and repairs it (stale downloads,
     orphans, missing files, the size bound); ``reconcile=False`` skips that, e.g. to
     report with ``check()`` before repairing anything.
+
+    ``min_free`` is kept free on the cache's filesystem: bytes (int), a fraction of the
+    filesystem (float below 1) or None for the default, 5% of the filesystem and at most
+    1 GiB. When ``cache_size`` exceeds what the filesystem can hold (the cache's bytes plus
+    the free space, less ``min_free``), the smaller bound is used and
+    :attr:`size_warning` says so with both numbers.
     """
 
     def __init__(
@@ -270,6 +381,7 @@ class Store:
         on_evict: Callable[[Entry], None] | None = None,
         *,
         reconcile: bool = True,
+        min_free: int | float | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {policy!r}; expected one of {POLICIES}")
@@ -277,18 +389,71 @@ class Store:
         if cache_size < 0:
             raise ValueError(f"cache_size must be >= 0, got {cache_size}")
         self.cache_dir = Path(cache_dir)
+        self.requested_size = cache_size
         self.cache_size = cache_size
         self.policy: str = policy
         self.on_evict = on_evict
+        self.min_free_spec = min_free
+        self.min_free = 0
+        self.size_warning: str | None = None
         self._lock = threading.RLock()
         self._conn: sqlite3.Connection | None = None
         self._pid = -1
+        self._readers = threading.local()
+        # what a hit needs, in memory: key -> Entry (this process's view of the index)
+        self._mem: dict[str, Entry] = {}
+        # accesses not yet in the index: key -> [last_access, hits to add, validated or 0]
+        self._touched: dict[str, list] = {}
+        self._touch_lock = threading.Lock()
+        # reservations whose release failed (index not writable): released by the next flush
+        self._unreleased: set[str] = set()
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise CacheError(f"{self.cache_dir}: cannot create cache directory: {exc}") from exc
+            raise StoreUnusable(
+                f"{self.cache_dir}: cannot create the cache directory ({exc.strerror or exc}); "
+                f"running as uid {_uid()}: create it and make it writable by this uid, or "
+                "choose another --cache-dir"
+            ) from exc
+        total, _ = self._disk()
+        self.min_free = resolve_min_free(min_free, total)
         if reconcile:
             self._reconcile(fix=True)
+            self._fit_to_disk()
+
+    # -- free space --------------------------------------------------------------------
+
+    def _disk(self) -> tuple[int, int]:
+        """(filesystem size, bytes available to this process) of the cache directory."""
+        try:
+            st = os.statvfs(self.cache_dir)
+        except (OSError, AttributeError):
+            return 0, 1 << 62
+        return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+    def _fit_to_disk(self) -> None:
+        """Lower ``cache_size`` to what the filesystem can hold (entries + free - min_free)."""
+        total, free = self._disk()
+        if total <= 0:
+            return
+        with self._lock:
+            entries_bytes = (
+                self._connect().execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
+            )[0]
+        room = max(0, int(entries_bytes) + free - self.min_free)
+        if self.requested_size > room:
+            self.cache_size = room
+            self.size_warning = (
+                f"cache size {self.requested_size} bytes exceeds what the filesystem of "
+                f"{self.cache_dir} can hold ({room} bytes: {entries_bytes} cached + {free} "
+                f"free - {self.min_free} kept free); using {room}"
+            )
+            log.debug("%s", self.size_warning)
+
+    def disk_limit(self, entries_bytes: int) -> int:
+        """The bound in force now: ``cache_size``, lowered to keep ``min_free`` free."""
+        _, free = self._disk()
+        return max(0, min(self.cache_size, entries_bytes + free - self.min_free))
 
     # -- connection ------------------------------------------------------------------
 
@@ -304,28 +469,122 @@ class Store:
                 check_same_thread=False,
             )
             conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > FORMAT_VERSION:
+                conn.close()
+                raise StoreUnusable(
+                    f"{self.cache_dir / INDEX_NAME}: the index is format {version}, from a "
+                    f"newer shardcache (this one reads format {FORMAT_VERSION}); upgrade "
+                    f"shardcache, or use another --cache-dir (running as uid {_uid()})"
+                )
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")
-            conn.executescript(_SCHEMA)
+            if version < FORMAT_VERSION:
+                self._migrate(conn, version)
         except sqlite3.Error as exc:
-            raise CacheError(f"{self.cache_dir / INDEX_NAME}: cannot open index: {exc}") from exc
+            raise self._unusable(exc) from exc
         self._conn = conn
         self._pid = os.getpid()
         return conn
+
+    def _migrate(self, conn: sqlite3.Connection, version: int) -> None:
+        """Create the tables, or bring an index of an older format up to this one."""
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            existed = conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'entries'"
+            ).fetchone()
+            cols = {r[1] for r in conn.execute("PRAGMA table_info(entries)").fetchall()}
+            if existed and "validated" not in cols:
+                conn.execute("ALTER TABLE entries ADD COLUMN validated REAL")
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {FORMAT_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            raise
+        if existed:
+            log.info(
+                "%s: index migrated from format %d to %d",
+                self.cache_dir,
+                max(version, 1),
+                FORMAT_VERSION,
+            )
+
+    def _unusable(self, exc: BaseException) -> StoreUnusable:
+        index = self.cache_dir / INDEX_NAME
+        owners = []
+        for p in (index, Path(f"{index}-wal"), Path(f"{index}-shm"), self.cache_dir):
+            with contextlib.suppress(OSError):
+                st = p.stat()
+                if not os.access(p, os.W_OK):
+                    owners.append(f"{p} (owner uid {st.st_uid}, not writable)")
+        where = "; ".join(owners) if owners else str(index)
+        return StoreUnusable(
+            f"{where}: cannot open the index for writing ({exc}); running as uid {_uid()}: "
+            f"make the cache directory and its .shardcache.sqlite* files writable by this "
+            f"uid (e.g. chown -R {_uid()} {self.cache_dir}), or choose another --cache-dir"
+        )
+
+    def check_writable(self) -> None:
+        """Prove the directory and the index take writes; raise :class:`StoreUnusable`
+        naming the path, the uid and what to do otherwise. For startup, before listening."""
+        probe = self.cache_dir / f".probe.{os.getpid()}.{secrets.token_hex(4)}"
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, b"shardcache")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(probe)
+        except OSError as exc:
+            raise StoreUnusable(
+                f"{self.cache_dir}: cache directory is not writable ({exc.strerror or exc}); "
+                f"running as uid {_uid()}: make it writable by this uid (e.g. chown -R "
+                f"{_uid()} {self.cache_dir}), mount it read-write, or choose another "
+                "--cache-dir"
+            ) from exc
+        for p in (
+            self.cache_dir / INDEX_NAME,
+            Path(f"{self.cache_dir / INDEX_NAME}-wal"),
+            Path(f"{self.cache_dir / INDEX_NAME}-shm"),
+        ):
+            if p.exists() and not os.access(p, os.W_OK):
+                raise self._unusable(PermissionError(f"{p} is not writable"))
+        try:
+            with self._tx() as conn:
+                conn.execute(f"PRAGMA user_version = {FORMAT_VERSION}")
+        except CacheError as exc:
+            raise self._unusable(exc) from exc
 
     @contextlib.contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
         """One write transaction (BEGIN IMMEDIATE): serialised across processes."""
         with self._lock:
             conn = self._connect()
+            index = self.cache_dir / INDEX_NAME
             try:
                 conn.execute("BEGIN IMMEDIATE")
             except sqlite3.Error as exc:
-                raise CacheError(f"{self.cache_dir}: cannot lock index: {exc}") from exc
+                raise store_write_error("index", index, exc) or CacheError(
+                    f"{self.cache_dir}: cannot lock index: {exc}"
+                ) from exc
             try:
                 yield conn
+            except sqlite3.Error as exc:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+                raise store_write_error("index", index, exc) or CacheError(
+                    f"{index}: {exc}"
+                ) from exc
             except BaseException:
-                conn.execute("ROLLBACK")
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
                 raise
             else:
                 try:
@@ -333,14 +592,23 @@ class Store:
                 except sqlite3.Error as exc:
                     with contextlib.suppress(sqlite3.Error):
                         conn.execute("ROLLBACK")
-                    raise CacheError(f"{self.cache_dir}: index commit failed: {exc}") from exc
+                    raise store_write_error("index", index, exc) or CacheError(
+                        f"{self.cache_dir}: index commit failed: {exc}"
+                    ) from exc
 
     def close(self) -> None:
-        """Close the index connection (the store reopens it if used again)."""
+        """Record pending accesses, then close the index connection (the store reopens it
+        if used again)."""
+        with contextlib.suppress(CacheError):
+            self.flush_access()
         with self._lock:
             if self._conn is not None and self._pid == os.getpid():
                 self._conn.close()
             self._conn = None
+        reader = getattr(self._readers, "conn", None)
+        if reader is not None and getattr(self._readers, "pid", None) == os.getpid():
+            reader.close()
+        self._readers.conn = None
 
     def __enter__(self) -> Store:
         return self
@@ -364,7 +632,7 @@ class Store:
         return self.cache_dir / self.key(url)
 
     def _row_to_entry(self, row: Sequence) -> Entry:
-        key, url, size, etag, lm, ctype, created, last_access, hits = row
+        key, url, size, etag, lm, ctype, created, last_access, hits, validated = row
         return Entry(
             key=key,
             url=url,
@@ -376,6 +644,7 @@ class Store:
             created=created,
             last_access=last_access,
             hits=hits,
+            validated=created if validated is None else validated,
         )
 
     # -- lookup ------------------------------------------------------------------------
@@ -385,6 +654,128 @@ class Store:
             return path.stat().st_size
         except FileNotFoundError:
             return None
+
+    def _reader(self) -> sqlite3.Connection:
+        """A read-only connection of this thread: readers never wait for a writer in WAL."""
+        conn = getattr(self._readers, "conn", None)
+        if conn is not None and getattr(self._readers, "pid", None) == os.getpid():
+            return conn
+        self._connect()  # creates or migrates the index first
+        try:
+            conn = sqlite3.connect(
+                f"file:{self.cache_dir / INDEX_NAME}?mode=ro",
+                uri=True,
+                isolation_level=None,
+                timeout=BUSY_TIMEOUT_MS / 1000,
+                check_same_thread=False,
+            )
+        except sqlite3.Error as exc:
+            raise self._unusable(exc) from exc
+        self._readers.conn, self._readers.pid = conn, os.getpid()
+        return conn
+
+    def lookup(self, url: str) -> Entry | None:
+        """The entry of ``url`` as far as this process knows, without writing anything.
+
+        Answers from memory when it can, else from one read of the index. The file may
+        still have been evicted by another process: the caller opens it and, if it is
+        missing or has another size, calls :meth:`forget` and treats the request as a miss.
+        """
+        key = self.key(url)
+        entry = self._mem.get(key)
+        if entry is not None:
+            return entry
+        try:
+            row = (
+                self._reader()
+                .execute(f"SELECT {_ENTRY_COLS} FROM entries WHERE key = ?", (key,))
+                .fetchone()
+            )
+        except sqlite3.Error as exc:
+            raise CacheError(f"{self.cache_dir / INDEX_NAME}: cannot read index: {exc}") from exc
+        if row is None:
+            return None
+        entry = self._row_to_entry(row)
+        self._mem[key] = entry
+        return entry
+
+    def forget(self, key: str) -> None:
+        """Drop ``key`` from memory (its file was missing or replaced): the next lookup
+        reads the index again."""
+        self._mem.pop(key, None)
+
+    def touch(self, entry: Entry, now: float | None = None) -> None:
+        """Record a hit in memory; :meth:`flush_access` writes it to the index."""
+        now = time.time() if now is None else now
+        with self._touch_lock:
+            rec = self._touched.get(entry.key)
+            if rec is None:
+                self._touched[entry.key] = [now, 1, 0.0]
+            else:
+                rec[0] = now
+                rec[1] += 1
+
+    def mark_validated(self, entry: Entry, now: float | None = None) -> Entry:
+        """Record that the upstream confirmed ``entry`` (a 304) at ``now``; returns the
+        entry as this process now sees it. Written with the next access batch."""
+        now = time.time() if now is None else now
+        with self._touch_lock:
+            rec = self._touched.setdefault(entry.key, [entry.last_access, 0, 0.0])
+            rec[2] = now
+        fresh = Entry(**{**entry.__dict__, "validated": now})
+        if self._mem.get(entry.key) is entry:
+            self._mem[entry.key] = fresh
+        return fresh
+
+    def pending_access(self) -> int:
+        """How many entries have accesses not yet written to the index."""
+        return len(self._touched)
+
+    def _take_touches(self) -> dict[str, list]:
+        with self._touch_lock:
+            touched, self._touched = self._touched, {}
+        return touched
+
+    def _apply_touches(self, conn: sqlite3.Connection, touched: dict[str, list]) -> None:
+        for key, (last_access, hits, validated) in touched.items():
+            if validated:
+                conn.execute(
+                    "UPDATE entries SET last_access = MAX(last_access, ?), hits = hits + ?, "
+                    "validated = ? WHERE key = ?",
+                    (last_access, hits, validated, key),
+                )
+            else:
+                conn.execute(
+                    "UPDATE entries SET last_access = MAX(last_access, ?), hits = hits + ? "
+                    "WHERE key = ?",
+                    (last_access, hits, key),
+                )
+
+    def flush_access(self) -> int:
+        """Write the recorded accesses (last access, hit counts, validations) to the index
+        in one transaction. Returns how many entries were updated. On failure the batch is
+        kept for the next flush (merged with newer accesses)."""
+        touched = self._take_touches()
+        with self._touch_lock:
+            unreleased, self._unreleased = self._unreleased, set()
+        if not touched and not unreleased:
+            return 0
+        try:
+            with self._tx() as conn:
+                self._apply_touches(conn, touched)
+                for name in unreleased:
+                    conn.execute("DELETE FROM reservations WHERE name = ?", (name,))
+        except BaseException:
+            with self._touch_lock:
+                self._unreleased |= unreleased
+            with self._touch_lock:
+                for key, (last, hits, validated) in touched.items():
+                    rec = self._touched.setdefault(key, [last, 0, 0.0])
+                    rec[0] = max(rec[0], last)
+                    rec[1] += hits
+                    rec[2] = max(rec[2], validated)
+            raise
+        return len(touched)
 
     def get(self, url: str, *, touch: bool = True) -> Entry | None:
         """The entry of ``url`` if complete and its file exists with the indexed size.
@@ -469,18 +860,22 @@ class Store:
         """
         entries_bytes, reserved = self._used(conn)
         used = entries_bytes + reserved
-        if used + need <= self.cache_size:
+        limit = self.disk_limit(entries_bytes)
+        if used + need <= limit:
             return []
+        # recent hits count in the LRU order before anything is chosen
+        self._apply_touches(conn, self._take_touches())
         rows = [
             self._row_to_entry(r)
             for r in conn.execute(f"SELECT {_ENTRY_COLS} FROM entries").fetchall()
         ]
-        victims = choose_victims(rows, self.policy, used, self.cache_size, need, exclude)
+        victims = choose_victims(rows, self.policy, used, limit, need, exclude)
         if victims is None:
             return None
         evicted = []
         for victim in victims:
             conn.execute("DELETE FROM entries WHERE key = ?", (victim.key,))
+            self._mem.pop(victim.key, None)
             evicted.append((victim, self._move_aside(victim.path)))
         return evicted
 
@@ -554,8 +949,11 @@ class Store:
             with open(path, "xb"):
                 pass
         except OSError as exc:
-            self.abort(partial)
-            raise CacheError(f"{path}: cannot create download file: {exc}") from exc
+            with contextlib.suppress(CacheError):
+                self.abort(partial)
+            raise store_write_error("create", path, exc) or CacheError(
+                f"{path}: cannot create download file: {exc}"
+            ) from exc
         return partial
 
     def grow(self, partial: Partial, size: int) -> bool:
@@ -618,8 +1016,11 @@ class Store:
             finally:
                 os.close(fd)
         except OSError as exc:
-            self.abort(partial)
-            raise CacheError(f"{partial.path}: cannot flush download: {exc}") from exc
+            with contextlib.suppress(CacheError):
+                self.abort(partial)
+            raise store_write_error("commit", partial.path, exc) or CacheError(
+                f"{partial.path}: cannot flush download: {exc}"
+            ) from exc
         target = self.cache_dir / partial.key
         now = time.time()
         try:
@@ -630,12 +1031,8 @@ class Store:
                 evicted = self._make_room(conn, size, exclude=(partial.key,))
                 if evicted is None:
                     raise _Rollback
-                try:
-                    os.replace(partial.path, target)
-                except OSError as exc:
-                    raise CacheError(f"{target}: cannot move download into place: {exc}") from exc
                 conn.execute(
-                    f"INSERT INTO entries ({_ENTRY_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    _ENTRY_INSERT,
                     (
                         partial.key,
                         partial.url,
@@ -646,18 +1043,29 @@ class Store:
                         now,
                         now,
                         0,
+                        now,
                     ),
                 )
+                # last: a failed rename rolls the row back with it
+                try:
+                    os.replace(partial.path, target)
+                except OSError as exc:
+                    raise store_write_error("commit", target, exc) or CacheError(
+                        f"{target}: cannot move download into place: {exc}"
+                    ) from exc
         except _Rollback:
+            self._mem.pop(partial.key, None)
             self.abort(partial)
             raise NoRoomError(partial.url, size, self.cache_size) from None
         except CacheError:
-            self.abort(partial)
+            self._mem.pop(partial.key, None)
+            with contextlib.suppress(CacheError):
+                self.abort(partial)
             raise
         partial.reserved = 0
         self._finish_evictions(evicted)
         self._fsync_dir()
-        return Entry(
+        entry = Entry(
             key=partial.key,
             url=partial.url,
             path=target,
@@ -668,7 +1076,12 @@ class Store:
             created=now,
             last_access=now,
             hits=0,
+            validated=now,
         )
+        self._mem[partial.key] = entry
+        with self._touch_lock:
+            self._touched.pop(partial.key, None)  # accesses of a replaced entry
+        return entry
 
     def _fsync_dir(self) -> None:
         with contextlib.suppress(OSError):
@@ -684,9 +1097,16 @@ class Store:
         Idempotent.
         """
         self._unlink(partial.path)
-        with self._tx() as conn:
-            conn.execute("DELETE FROM reservations WHERE name = ?", (partial.path.name,))
         partial.reserved = 0
+        try:
+            with self._tx() as conn:
+                conn.execute("DELETE FROM reservations WHERE name = ?", (partial.path.name,))
+        except CacheError:
+            # the index cannot take the write now (disk full, read-only): never keep the
+            # space reserved for good; the next access flush releases it
+            with self._touch_lock:
+                self._unreleased.add(partial.path.name)
+            raise
 
     # -- administration ----------------------------------------------------------------
 
@@ -701,6 +1121,7 @@ class Store:
                 return False
             entry = self._row_to_entry(row)
             conn.execute("DELETE FROM entries WHERE key = ?", (key,))
+            self._mem.pop(key, None)
             moved = self._move_aside(entry.path)
         if moved is not None:
             self._unlink(moved)
@@ -714,6 +1135,7 @@ class Store:
                 for r in conn.execute(f"SELECT {_ENTRY_COLS} FROM entries").fetchall()
             ]
             conn.execute("DELETE FROM entries")
+            self._mem.clear()
             moved = [self._move_aside(e.path) for e in rows]
         for p in moved:
             if p is not None:
@@ -739,13 +1161,18 @@ class Store:
             k, reserved = conn.execute(
                 "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM reservations"
             ).fetchone()
+        total, free = self._disk()
         return {
             "entries": int(n),
             "bytes": int(nbytes),
             "reserved": int(reserved),
             "limit": self.cache_size,
+            "effective_limit": self.disk_limit(int(nbytes)),
             "downloads": int(k),
             "policy": self.policy,
+            "free_bytes": free,
+            "filesystem_bytes": total,
+            "min_free_bytes": self.min_free,
         }
 
     def check(self, fix: bool = False) -> CheckReport:
@@ -852,6 +1279,7 @@ class Store:
                 "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries"
             ).fetchone()
             report.entries, report.bytes = int(n), int(nbytes)
+        self._mem.clear()  # rows may have been dropped: read them again
         for path in to_unlink:
             self._unlink(path)
         self._finish_evictions(evicted)
