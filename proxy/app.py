@@ -22,6 +22,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from proxy.config import Settings
 from proxy.fetch import Fetcher, UpstreamBody
+from proxy.hits import HitTier
 from proxy.inflight import Download, DownloadFailed, Inflight
 from proxy.metrics import ProxyMetrics
 from proxy.policy import (
@@ -29,13 +30,16 @@ from proxy.policy import (
     conditional_status,
     map_request,
     map_url,
+    needs_revalidation,
     parse_range,
     range_applies,
 )
 from proxy.s3 import S3Upstream
 from proxy.s3front import S3Front
+from proxy.storehealth import StoreHealth
 from shardcache.errors import (
     BadRequest,
+    CacheError,
     Forbidden,
     IncompleteDownloadError,
     MethodNotAllowed,
@@ -64,6 +68,8 @@ STORE = web.AppKey("store", Store)
 FETCHER = web.AppKey("fetcher", Fetcher)
 INFLIGHT = web.AppKey("inflight", Inflight)
 RUNTIME = web.AppKey("runtime", dict)
+HEALTH = web.AppKey("health", StoreHealth)
+HITS = web.AppKey("hits", HitTier)
 S3_CLIENT = web.AppKey("s3_client", object)
 
 _RequestKey = getattr(web, "RequestKey", None)  # aiohttp >= 3.12
@@ -146,14 +152,16 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         m.evictions.inc()
         m.evicted_bytes.inc(entry.size)
 
-    store = await asyncio.to_thread(
-        Store,
-        s.cache_dir,
-        s.cache_size,
-        s.eviction,
-        on_evict,  # type: ignore[arg-type]
-    )
-    m.cache_limit.set(s.cache_size)
+    def open_store() -> Store:
+        st = Store(s.cache_dir, s.cache_size, s.eviction, on_evict, min_free=s.min_free)  # type: ignore[arg-type]
+        st.check_writable()  # StoreUnusable (exit 2) before listening
+        return st
+
+    store = await asyncio.to_thread(open_store)
+    if store.size_warning:
+        log.warning("%s", store.size_warning)
+    m.cache_limit.set(store.cache_size)
+    health = StoreHealth(store, m, s.store_probe_interval)
     fetcher = Fetcher(
         connect_timeout=s.connect_timeout,
         read_timeout=s.read_timeout,
@@ -169,20 +177,29 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     )
     app[STORE] = store
     app[FETCHER] = fetcher
-    app[INFLIGHT] = Inflight(store, fetcher, m, cache_size=s.cache_size)
+    app[HEALTH] = health
+    app[HITS] = HitTier(store)
+    app[INFLIGHT] = Inflight(store, fetcher, m, cache_size=store.cache_size, health=health)
+    app[RUNTIME]["revalidating"] = {}
+    background = asyncio.get_running_loop().create_task(health.run(), name="store health")
     app[RUNTIME]["ready"] = True
     log.info(
-        "cache %s: limit %d bytes, policy %s; upstreams: %s",
+        "cache %s: limit %d bytes, %d kept free, policy %s, revalidate %s; upstreams: %s",
         s.cache_dir,
-        s.cache_size,
+        store.cache_size,
+        store.min_free,
         s.eviction,
+        "never"
+        if s.revalidate is None
+        else ("always" if s.revalidate == 0 else f"after {s.revalidate:g}s"),
         ", ".join(str(u) for u in s.upstreams) or "(none)",
     )
     try:
         yield
     finally:
         app[RUNTIME]["ready"] = False
-        tasks = list(app[RUNTIME]["prefetch"])
+        background.cancel()
+        tasks = [background, *app[RUNTIME]["prefetch"]]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -282,18 +299,29 @@ async def _shard(request: web.Request) -> web.StreamResponse:
     if request.method not in ("GET", "HEAD"):
         raise MethodNotAllowed(f"method {request.method} not allowed; use GET or HEAD")
     url = map_request(raw, s.upstreams, s.allow_hosts, s.max_path_length)
+    if path_only.endswith("/") and len(path_only) > 1:
+        # a directory (listing), not a shard: forwarded with its slash, never cached
+        base, sep, query = url.partition("?")
+        return await _serve_bypass(
+            request, (base if base.endswith("/") else base + "/") + sep + query
+        )
     store = request.app[STORE]
     inflight = request.app[INFLIGHT]
     for _ in range(3):
         dl = inflight.get(url)
         cache = "COALESCED"
         if dl is None:
-            entry = await asyncio.to_thread(store.get, url)
+            entry = store.lookup(url)
+            if entry is not None and needs_revalidation(s.revalidate, entry.validated, time.time()):
+                entry = await _revalidate(request, url, entry)
             if entry is not None:
                 resp = await _serve_hit(request, entry)
                 if resp is not None:
                     return resp
+                store.forget(entry.key)
                 continue  # evicted between lookup and open: look again
+            if not request.app[HEALTH].writable:
+                return await _serve_bypass(request, url)
             dl = inflight.get(url)
             if dl is None:
                 dl = inflight.start(url)
@@ -351,15 +379,79 @@ def _not_modified(status: int, headers: dict[str, str]) -> web.Response:
     return _error_response(412, "precondition failed", headers)
 
 
+async def _revalidate(request: web.Request, url: str, entry: Entry) -> Entry | None:
+    """Ask the upstream whether an aged entry is current (one request however many
+    clients ask at once). The entry when it is (a 304); None when it changed (it is
+    removed, the caller fetches the new version like a miss); NotFound when it is gone.
+    When the upstream cannot answer, the cached copy is served (and a warning logged)."""
+    app = request.app
+    pending: dict[str, asyncio.Task] = app[RUNTIME]["revalidating"]
+    task = pending.get(url)
+    if task is None:
+        task = asyncio.get_running_loop().create_task(_ask_upstream(app, url, entry))
+        pending[url] = task
+        task.add_done_callback(lambda _: pending.pop(url, None))
+    return await asyncio.shield(task)
+
+
+async def _ask_upstream(app: web.Application, url: str, entry: Entry) -> Entry | None:
+    m, store = app[METRICS], app[STORE]
+    try:
+        result = await app[FETCHER].revalidate(
+            url, etag=entry.etag, last_modified=entry.last_modified, size=entry.size
+        )
+    except ProxyError as exc:
+        m.revalidations.labels(result="error").inc()
+        log.warning("cannot revalidate %s (%s); serving the cached copy", url, exc)
+        return entry
+    m.revalidations.labels(result=result).inc()
+    if result == "fresh":
+        return store.mark_validated(entry)
+    log.info("%s %s at the upstream; dropping the cached copy", url, result)
+    store.forget(entry.key)
+    try:
+        await asyncio.to_thread(store.remove, url)
+    except CacheError as exc:
+        err = app[HEALTH].classify("index", exc)
+        if err is not None:
+            app[HEALTH].failed(err)
+    if result == "gone":
+        raise NotFound(f"upstream {url} is gone; removed from the cache")
+    return None
+
+
 async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse | None:
+    """Serve a hit; None when the entry file turned out missing or replaced (the caller
+    forgets the entry and looks again)."""
+    app = request.app
     headers = _base_headers("HIT", entry.etag, entry.last_modified)
     cond, brange = _plan(request, entry.size, entry.etag, entry.last_modified)
+    store, tier = app[STORE], app[HITS]
     if cond is not None:
+        store.touch(entry)
         return _not_modified(cond, headers)
-    try:
-        fobj = await asyncio.to_thread(open, entry.path, "rb")
-    except FileNotFoundError:
+    if tier.cacheable(entry):
+        data = tier.small(entry)
+        if data is None:
+            data = await tier.load(entry)
+            if data is None:
+                return None
+        store.touch(entry)
+        if brange is not None:
+            data = data[brange.start : brange.end + 1]
+            headers["Content-Range"] = brange.content_range
+        resp = web.Response(
+            body=data,
+            status=206 if brange is not None else 200,
+            headers=headers,
+            content_type=entry.content_type or DEFAULT_TYPE,
+        )
+        app[METRICS].ttfb.labels(cache="HIT").observe(time.monotonic() - request[T_START])
+        return resp
+    fobj = tier.open(entry)
+    if fobj is None:
         return None
+    store.touch(entry)
     try:
         resp = web.StreamResponse(headers=headers)
         _prepare_headers(resp, entry.size, brange, entry.content_type)
@@ -376,7 +468,7 @@ async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse |
         await resp.write_eof()
         return resp
     finally:
-        await asyncio.to_thread(fobj.close)
+        fobj.close()
 
 
 async def _send_file(
@@ -418,7 +510,7 @@ async def _send_file(
 async def _serve_download(request: web.Request, dl: Download, cache: str) -> web.StreamResponse:
     await dl.wait_headers()
     if dl.state == "bypass":
-        return await _serve_bypass(request, dl)
+        return await _serve_bypass(request, dl.url, dl)
     headers = _base_headers(cache, dl.etag, dl.last_modified)
     size = dl.known_size
     cond, brange = _plan(request, size, dl.etag, dl.last_modified)
@@ -459,14 +551,20 @@ async def _serve_download(request: web.Request, dl: Download, cache: str) -> web
     return resp
 
 
-async def _serve_bypass(request: web.Request, dl: Download) -> web.StreamResponse:
+async def _serve_bypass(
+    request: web.Request, url: str, dl: Download | None = None
+) -> web.StreamResponse:
+    """Stream ``url`` from the upstream to this client alone, uncached (X-Cache: BYPASS):
+    the body a bypassed download already opened, or a request of its own."""
     fetcher = request.app[FETCHER]
     body: UpstreamBody | None = None
-    if request.method == "GET":
-        body = dl.take_bypass_body() or await fetcher.open(dl.url)
+    if request.method == "GET" or dl is None:
+        body = (dl.take_bypass_body() if dl is not None else None) or await fetcher.open(url)
     try:
         meta: Any = body if body is not None else dl
         headers = _base_headers("BYPASS", meta.etag, meta.last_modified)
+        if meta.cache_control:
+            headers["Cache-Control"] = meta.cache_control
         cond, brange = _plan(request, meta.size, meta.etag, meta.last_modified)
         if cond is not None:
             return _not_modified(cond, headers)
@@ -474,7 +572,7 @@ async def _serve_bypass(request: web.Request, dl: Download) -> web.StreamRespons
         _prepare_headers(resp, meta.size, brange, meta.content_type)
         request[T_RESP] = resp
         await resp.prepare(request)
-        if body is None:
+        if body is None or request.method == "HEAD":
             await resp.write_eof()
             return resp
         lo = brange.start if brange else 0
@@ -515,7 +613,12 @@ async def _serve_bypass(request: web.Request, dl: Download) -> web.StreamRespons
 
 
 async def _healthz(request: web.Request) -> web.Response:
-    return web.Response(text="ok\n")
+    health = request.app.get(HEALTH)
+    if health is None or health.writable:
+        return web.Response(text="ok\nstore: writable\n")
+    return web.Response(
+        text=f"ok\nstore: not writable ({health.error}); serving from the upstream uncached\n"
+    )
 
 
 async def _readyz(request: web.Request) -> web.Response:
@@ -550,6 +653,15 @@ async def _stats(request: web.Request) -> web.Response:
         "hit_ratio": (m.hits / total) if total else 0.0,
         "upstream_bytes": m.total_upstream_bytes(),
         "served_bytes": m.total_response_bytes(),
+        "store": {
+            **request.app[HEALTH].snapshot(),
+            "free_bytes": st["free_bytes"],
+            "min_free_bytes": st["min_free_bytes"],
+            "filesystem_bytes": st["filesystem_bytes"],
+            "effective_limit": st["effective_limit"],
+            "pending_access_records": request.app[STORE].pending_access(),
+        },
+        "ram_tier": {"entries": len(request.app[HITS]), "bytes": request.app[HITS].bytes},
     }
     return web.json_response(body)
 

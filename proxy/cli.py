@@ -11,7 +11,7 @@ import signal
 import sys
 
 from proxy.config import Settings, add_serve_arguments, configure_logging, settings_from_args
-from shardcache.errors import ConfigError
+from shardcache.errors import ConfigError, StoreUnusable
 
 __all__ = ["register", "serve", "run_server"]
 
@@ -41,7 +41,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _serve_command(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args, os.environ)
+    try:
+        settings = settings_from_args(args, os.environ)
+    except ConfigError as exc:
+        print(f"shardcache serve: error: {exc}", file=sys.stderr)
+        return 2
     configure_logging(settings.log_level)
     return serve(settings)
 
@@ -52,13 +56,15 @@ def serve(settings: Settings) -> int:
     The proxy runs on asyncio's own event loop even when uvloop is installed: uvloop's
     ``loop.sendfile`` is not implemented, so hits would fall back to copying through
     Python, and bench/proxy.py measured warm throughput at about a third with uvloop.
+
+    Exit code 2, before listening, when the settings or the cache directory cannot be
+    used (the message names the flag, or the path, the uid and what to do).
     """
     try:
         asyncio.run(run_server(settings))
-    except OSError as exc:
-        raise ConfigError(
-            "--port", f"cannot listen on {settings.host}:{settings.port}: {exc}"
-        ) from None
+    except (ConfigError, StoreUnusable) as exc:
+        print(f"shardcache serve: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -83,7 +89,12 @@ async def run_server(settings: Settings, stop: asyncio.Event | None = None) -> N
     await runner.setup()
     try:
         site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            raise ConfigError(
+                "--port", f"cannot listen on {settings.host}:{settings.port}: {exc}"
+            ) from None
         for addr in runner.addresses:
             host, port = addr[0], addr[1]
             log.info("shardcache serving on http://%s:%d", host, port)

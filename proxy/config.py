@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from proxy.policy import Upstream, parse_size
+from proxy.policy import Upstream, parse_min_free, parse_revalidate, parse_size
 from proxy.s3 import parse_s3_url
 from shardcache.errors import BadRequest, ConfigError
 
@@ -57,6 +57,9 @@ class Settings:
     s3_profile: str | None = None
     s3_front_access_key: str | None = None
     s3_front_secret_key: str | None = None
+    min_free: int | float | None = None  # bytes, a fraction, or None: 5%, at most 1 GiB
+    revalidate: float | None = None  # None: never (immutable); 0: always; else max age s
+    store_probe_interval: float = 5.0
 
 
 # (flag, dest, help, default-as-text or None)
@@ -68,6 +71,23 @@ _OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("--admin-token", "admin_token", "bearer token required by mutating admin routes"),
     ("--log-level", "log_level", "debug, info, warning, error (default info)"),
     ("--eviction", "eviction", "lru, fifo or keep (stop admitting once full) (default lru)"),
+    (
+        "--min-free",
+        "min_free",
+        "space always kept free on the cache filesystem: bytes (2G) or a percentage (10%) "
+        "(default 5%, at most 1GiB)",
+    ),
+    (
+        "--revalidate",
+        "revalidate",
+        "never (shards are immutable), always, or an age such as 10m after which a hit asks "
+        "the upstream whether it changed (default never)",
+    ),
+    (
+        "--store-probe-interval",
+        "store_probe_interval",
+        "seconds between checks whether an unwritable store takes writes again (default 5)",
+    ),
     ("--connect-timeout", "connect_timeout", "upstream connect timeout, seconds (default 10)"),
     ("--read-timeout", "read_timeout", "upstream idle read timeout, seconds (default 60)"),
     ("--retries", "retries", "resume attempts after an upstream fails mid-body (default 3)"),
@@ -243,9 +263,20 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         ("--grace-period", "grace_period", float, 0),
         ("--max-path-length", "max_path_length", int, 16),
         ("--prefetch-concurrency", "prefetch_concurrency", int, 1),
+        ("--store-probe-interval", "store_probe_interval", float, 0.05),
     ):
         if (v := get(dest)) is not None:
             kw[dest] = _number(flag, v, kind, minimum)
+    if (v := get("min_free")) is not None:
+        try:
+            kw["min_free"] = parse_min_free(v)
+        except ValueError as exc:
+            raise ConfigError("--min-free", str(exc)) from None
+    if (v := get("revalidate")) is not None:
+        try:
+            kw["revalidate"] = parse_revalidate(v)
+        except ValueError as exc:
+            raise ConfigError("--revalidate", str(exc)) from None
     if (v := get("part_size")) is not None:
         try:
             kw["part_size"] = parse_size(v)

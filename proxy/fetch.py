@@ -39,13 +39,16 @@ import aiohttp
 
 from proxy.parts import (
     HTTPRangedSource,
+    ObjectChanged,
     ObjectInfo,
     can_fetch_in_parts,
     info_from_headers,
+    is_strong_etag,
+    parse_content_range,
     parts_stream,
     response_chunks,
 )
-from proxy.s3 import S3Fetcher, S3Upstream
+from proxy.s3 import S3Fetcher, S3RangedSource, S3Upstream
 from shardcache._version import __version__
 from shardcache.errors import (
     Forbidden,
@@ -56,7 +59,7 @@ from shardcache.errors import (
     UpstreamTimeout,
 )
 
-__all__ = ["Fetcher", "UpstreamBody"]
+__all__ = ["Fetcher", "UpstreamBody", "UpstreamRedirect"]
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +98,7 @@ class UpstreamBody:
     last_modified: str | None = None
     content_type: str | None = None
     md5: bytes | None = None  # Content-MD5 (or x-goog-hash md5) to verify, if sent
+    cache_control: str | None = None  # the upstream's Cache-Control (no-store: never cached)
     _iter: AsyncIterator[bytes] | None = field(default=None, repr=False)
     _close: Callable[[], None] | None = field(default=None, repr=False)
     _pump: Callable[[int, Any], AsyncIterator[int]] | None = field(default=None, repr=False)
@@ -144,6 +148,18 @@ def _md5_from_headers(headers: aiohttp.typedefs.LooseHeaders) -> bytes | None:
     except ValueError:
         return None
     return digest if len(digest) == 16 else None
+
+
+REDIRECTS = frozenset({301, 302, 303, 307, 308})
+
+
+class UpstreamRedirect(ProxyError):
+    """The upstream redirected: the client gets the same status and Location, and
+    nothing is cached under the requested URL."""
+
+    def __init__(self, url: str, status: int, location: str) -> None:
+        super().__init__(f"upstream {url} redirects to {location}", status_hint=status)
+        self.headers = {"Location": location}
 
 
 class _ConnectError(Exception):
@@ -444,7 +460,8 @@ class Fetcher:
             elif last_modified:
                 headers["If-Unmodified-Since"] = last_modified
         try:
-            resp = await self.session.get(url, headers=headers, allow_redirects=True)
+            # a redirect is the client's to follow, not something to cache under this URL
+            resp = await self.session.get(url, headers=headers, allow_redirects=False)
         except asyncio.TimeoutError as exc:
             self.observe("timeout")
             raise UpstreamTimeout(f"upstream {url} timed out") from exc
@@ -458,6 +475,9 @@ class Fetcher:
         if status == 200 and not start or status == 206 and start:
             return resp
         resp.release()
+        if not start and status in REDIRECTS and resp.headers.get("Location"):
+            self.observe("ok")
+            raise UpstreamRedirect(url, status, resp.headers["Location"])
         self._refuse(url, status, resp.reason, start)
 
     def _refuse(self, url: str, status: int, reason_text: str | None, start: int) -> NoReturn:
@@ -493,6 +513,7 @@ class Fetcher:
             last_modified=h.get("Last-Modified"),
             content_type=h.get("Content-Type"),
             md5=_md5_from_headers(h),
+            cache_control=h.get("Cache-Control"),
         )
         state = {"resp": resp}
 
@@ -710,8 +731,8 @@ class Fetcher:
     async def _thread_request(
         self, url: str, start: int = 0, etag: str | None = None, last_modified: str | None = None
     ) -> _ThreadedResponse | None:
-        """Like :meth:`_request` over a blocking connection; None for a redirect (the
-        caller then uses aiohttp, which follows it)."""
+        """Like :meth:`_request` over a blocking connection (a redirect is passed on as
+        UpstreamRedirect, not followed)."""
         headers = {"User-Agent": f"shardcache/{__version__}", "Accept-Encoding": "identity"}
         if start:
             headers["Range"] = f"bytes={start}-"
@@ -738,9 +759,11 @@ class Fetcher:
         status = tr.resp.status
         if status == 200 and not start or status == 206 and start:
             return tr
+        location = tr.resp.headers.get("Location")
         tr.close()
-        if 300 <= status < 400 and status != 304 and not start:
-            return None
+        if status in REDIRECTS and not start and location:
+            self.observe("ok")
+            raise UpstreamRedirect(url, status, location)
         self._refuse(url, status, tr.resp.reason, start)
 
     async def _open_threaded(self, url: str) -> UpstreamBody | None:
@@ -764,6 +787,7 @@ class Fetcher:
             last_modified=h.get("Last-Modified"),
             content_type=h.get("Content-Type"),
             md5=_md5_from_headers(h),  # type: ignore[arg-type]
+            cache_control=h.get("Cache-Control"),
         )
         state: dict[str, Any] = {"tr": tr}
 
@@ -813,6 +837,180 @@ class Fetcher:
                 state["tr"] = await self._resume(
                     body, pos, attempt, exc, self._thread_request, lambda t: t.resp.headers
                 )
+
+    # -- verified ranges and revalidation --------------------------------------------------
+
+    async def read_range(
+        self,
+        url: str,
+        start: int,
+        end: int | None,
+        *,
+        size: int | None,
+        etag: str | None,
+        last_modified: str | None,
+    ) -> AsyncIterator[bytes]:
+        """Bytes ``[start, end)`` (to the object's end when ``end`` is None) of the version
+        of ``url`` named by its validators, verified before a byte is yielded: status,
+        ``Content-Range`` exactly as asked, total size and validators equal to the first
+        response's. Without a strong ETag or a Last-Modified, only a request from byte 0
+        can be answered. Raises ProxyError (ObjectChanged when the object changed) or
+        IncompleteDownloadError when fewer bytes arrive than asked for; never yields a
+        byte of another version."""
+        if end is None and size is not None:
+            end = size
+        want = None if end is None else end - start
+        got = 0
+        async for chunk in self._verified_range(url, start, end, size, etag, last_modified):
+            got += len(chunk)
+            if want is not None and got > want:
+                raise UpstreamError(f"upstream {url}: more bytes than the range asked for")
+            yield chunk
+        if want is not None and got != want:
+            raise IncompleteDownloadError(url, start + got, end)
+
+    async def _verified_range(
+        self,
+        url: str,
+        start: int,
+        end: int | None,
+        size: int | None,
+        etag: str | None,
+        last_modified: str | None,
+    ) -> AsyncIterator[bytes]:
+        scheme = urlsplit(url).scheme.lower()
+        strong = etag if is_strong_etag(etag) else None
+        if start and not strong and not last_modified:
+            raise UpstreamError(
+                f"upstream {url}: no validator (strong ETag or Last-Modified) to continue "
+                f"at byte {start} with the same version"
+            )
+        if scheme == "file":
+            body = await self._open_file(url)
+            try:
+                if (body.etag, body.size) != (etag, size):
+                    raise ObjectChanged(f"{url}: the file changed")
+                pos = 0
+                async for chunk in body.chunks():
+                    a, b = pos, pos + len(chunk)
+                    pos = b
+                    lo, hi = max(a, start), b if end is None else min(b, end)
+                    if hi > lo:
+                        yield chunk[lo - a : hi - a]
+                    if end is not None and pos >= end:
+                        break
+            finally:
+                body.close()
+            return
+        if scheme == "s3":
+            if self._s3 is None or end is None or not strong:
+                raise UpstreamError(f"upstream {url}: cannot continue without size and ETag")
+            await self._s3.s3.ensure_started()
+            source = S3RangedSource(self._s3.s3, url, self.chunk_size, quoted=True)
+            async for chunk in source.read_range(start, end, strong):
+                yield chunk
+            return
+        headers: dict[str, str] = {}
+        if start or (end is not None and end != size):
+            # open-ended when the range runs to the object's end: every origin knows that form
+            tail = "" if end is None or end == size else str(end - 1)
+            headers["Range"] = f"bytes={start}-{tail}"
+        if strong:
+            headers["If-Match"] = strong
+        elif last_modified:
+            headers["If-Unmodified-Since"] = last_modified
+        try:
+            async with self.session.get(url, headers=headers, allow_redirects=False) as resp:
+                h = resp.headers
+                whole = resp.status == 200 and start == 0
+                if resp.status == 412:
+                    raise ObjectChanged(f"{url}: object changed at the upstream (412)")
+                if resp.status != 206 and not whole:
+                    self._refuse(url, resp.status, resp.reason, start or 1)
+                if strong and h.get("ETag") != strong:
+                    raise ObjectChanged(f"{url}: ETag is now {h.get('ETag')}, was {strong}")
+                if not strong and last_modified and h.get("Last-Modified") != last_modified:
+                    raise ObjectChanged(f"{url}: Last-Modified is now {h.get('Last-Modified')}")
+                if resp.status == 206:
+                    try:
+                        first, last, total = parse_content_range(h.get("Content-Range", ""))
+                    except ValueError as exc:
+                        raise UpstreamError(f"upstream {url}: {exc}") from None
+                    if first != start or (end is not None and last != end - 1):
+                        raise UpstreamError(
+                            f"upstream {url}: asked bytes {start}-{'' if end is None else end - 1}"
+                            f", got {first}-{last}"
+                        )
+                    if size is not None and total is not None and total != size:
+                        raise ObjectChanged(f"{url}: size is now {total}, was {size}")
+                elif size is not None and resp.content_length not in (None, size):
+                    raise ObjectChanged(f"{url}: size is now {resp.content_length}, was {size}")
+                async for chunk in resp.content.iter_chunked(self.chunk_size):
+                    if self.on_bytes is not None:
+                        self.on_bytes(len(chunk))
+                    yield chunk
+        except asyncio.TimeoutError as exc:
+            raise UpstreamTimeout(f"upstream {url} timed out") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"upstream {url} failed: {exc or type(exc).__name__}") from exc
+
+    async def revalidate(
+        self, url: str, *, etag: str | None, last_modified: str | None, size: int
+    ) -> str:
+        """Ask the upstream whether the cached version of ``url`` is still current:
+        ``"fresh"`` (304, or the same validators), ``"changed"`` or ``"gone"`` (404/410).
+        Raises ProxyError when the upstream cannot tell (5xx, unreachable, timeout)."""
+        scheme = urlsplit(url).scheme.lower()
+        if scheme == "file":
+            try:
+                body = await self._open_file(url)
+            except NotFound:
+                return "gone"
+            body.close()
+            return "fresh" if (body.etag, body.size) == (etag, size) else "changed"
+        if scheme == "s3":
+            if self._s3 is None:
+                raise UpstreamError(f"{url}: no S3 client configured for s3:// upstreams")
+            await self._s3.s3.ensure_started()
+            try:
+                info = await self._s3.s3.head(url, quoted=True)
+            except NotFound:
+                return "gone"
+            same = (info.etag, info.size) == (etag, size) if etag else False
+            return "fresh" if same else "changed"
+        headers: dict[str, str] = {}
+        if etag:
+            headers["If-None-Match"] = etag
+        if last_modified:
+            headers["If-Modified-Since"] = last_modified
+        if not headers:
+            return "changed"  # nothing to compare: fetch it again
+        try:
+            async with self.session.get(url, headers=headers, allow_redirects=False) as resp:
+                status, h = resp.status, resp.headers
+        except asyncio.TimeoutError as exc:
+            self.observe("timeout")
+            raise UpstreamTimeout(f"upstream {url} timed out") from exc
+        except aiohttp.ClientError as exc:
+            self.observe("error")
+            raise UpstreamError(f"upstream {url} failed: {exc or type(exc).__name__}") from exc
+        if status == 304:
+            self.observe("not_modified")
+            return "fresh"
+        if status in (404, 410):
+            self.observe("not_found")
+            return "gone"
+        if status == 200:
+            self.observe("ok")
+            same = (
+                h.get("ETag") == etag
+                if etag
+                else h.get("Last-Modified") == last_modified and resp.content_length == size
+            )
+            return "fresh" if same else "changed"
+        if status in REDIRECTS:
+            return "changed"  # the next GET passes the redirect on
+        self._refuse(url, status, resp.reason, 0)
 
     # -- file ------------------------------------------------------------------------------
 

@@ -14,9 +14,17 @@ upstream sent one). On an unrecoverable failure every client of the download get
 :class:`DownloadFailed`, upon which the handler aborts the connection: a truncated body
 never looks like a clean end. The partial file is deleted, never committed.
 
-Admission: when the store refuses the shard (bigger than the cache, or ``keep`` and full)
+Admission: when the store refuses the shard (bigger than the cache, or ``keep`` and full,
+or the upstream said ``Cache-Control: no-store``/``private``, or the store cannot write)
 the download turns into *bypass*: its upstream body goes to one client, and every other
 client fetches its own, uncached (``X-Cache: BYPASS``).
+
+Store failures: when the disk or index refuses a write mid-download (ENOSPC, EIO, EROFS…)
+the download turns into *passthrough*: the partial file is discarded (its reservation
+released), and each client sends what it can from the bytes already written, then fetches
+the rest of its range from the upstream, verified to be the same version
+(:meth:`proxy.fetch.Fetcher.read_range`). An upstream that cannot prove that ends in an
+aborted connection, never in a short body or a splice of two versions.
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ from typing import Any
 
 from proxy.fetch import Fetcher, UpstreamBody
 from proxy.metrics import ProxyMetrics
-from proxy.policy import should_admit
+from proxy.policy import cache_control_forbids, should_admit
+from proxy.storehealth import StoreHealth
 from shardcache.errors import CacheError, IncompleteDownloadError, ProxyError, UpstreamError
 from shardcache.store import Entry, Partial, Store
 
@@ -59,7 +68,8 @@ class Download:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.state = "opening"  # opening -> streaming -> done | failed ; opening -> bypass
+        # opening -> streaming -> done | failed | passthrough ; opening -> bypass
+        self.state = "opening"
         self.size: int | None = None
         self.etag: str | None = None
         self.last_modified: str | None = None
@@ -74,7 +84,11 @@ class Download:
         self._read_fd: int | None = None
         self._refs = 1  # the download task itself
         self._bypass_body: UpstreamBody | None = None
+        self.bypass_reason = ""
+        self.cache_control: str | None = None
         self.task: asyncio.Task | None = None
+        # passthrough: reads bytes [start, end) of this version from the upstream
+        self._upstream_range: Callable[[int, int | None], Any] | None = None
 
     # -- notification --------------------------------------------------------------------
 
@@ -94,7 +108,7 @@ class Download:
 
     @property
     def finished(self) -> bool:
-        return self.state in ("done", "failed", "bypass")
+        return self.state in ("done", "failed", "bypass", "passthrough")
 
     async def wait_headers(self) -> None:
         """Wait until the upstream answered; raise its error if it failed before any byte."""
@@ -112,7 +126,7 @@ class Download:
 
     async def wait_verified(self) -> None:
         """Wait until every byte is in and verified; DownloadFailed otherwise."""
-        while not self.verified and self.state not in ("failed", "bypass"):
+        while not self.verified and self.state not in ("failed", "bypass", "passthrough"):
             await self._wait()
         if not self.verified:
             raise DownloadFailed(self.url, self.error)
@@ -174,6 +188,9 @@ class Download:
                 await self.wait_beyond(pos)
                 if self.state == "failed":
                     raise DownloadFailed(self.url, self.error)
+                if self.state == "passthrough" and pos >= self.written:
+                    pos += await self._from_upstream(write, pos, end)
+                    break
                 avail = self.written
                 if avail <= pos:
                     # finished without more bytes: only a verified end of a whole object
@@ -194,6 +211,8 @@ class Download:
                     self.verified,
                     READ_CHUNK if send is None else None,
                 )
+                if self.state == "passthrough":
+                    last = False  # the end comes from the upstream, verified there
                 if last:
                     await self.wait_settled()
                 fd = self._read_fd
@@ -221,6 +240,24 @@ class Download:
             if fobj is not None:
                 fobj.close()  # closefd=False: the shared descriptor stays open
         return pos - start
+
+    async def _from_upstream(
+        self, write: Callable[[bytes], Awaitable[None]], pos: int, end: int | None
+    ) -> int:
+        """The rest of a client's range from the upstream, once the store gave up."""
+        if self._upstream_range is None:
+            raise DownloadFailed(self.url, self.error)
+        stop = end if end is not None else self.size
+        if stop is not None and pos >= stop:
+            return 0
+        sent = 0
+        try:
+            async for chunk in self._upstream_range(pos, end):
+                await write(chunk)
+                sent += len(chunk)
+        except (ProxyError, CacheError) as exc:
+            raise DownloadFailed(self.url, exc) from exc
+        return sent
 
 
 def _next_span(
@@ -263,11 +300,13 @@ class Inflight:
         metrics: ProxyMetrics,
         *,
         cache_size: int,
+        health: StoreHealth | None = None,
     ) -> None:
         self.store = store
         self.fetcher = fetcher
         self.metrics = metrics
         self.cache_size = cache_size
+        self.health = health if health is not None else StoreHealth(store, metrics)
         self._downloads: dict[str, Download] = {}
 
     def __len__(self) -> int:
@@ -312,17 +351,36 @@ class Inflight:
         partial: Partial | None = None
         wfd: int | None = None
         failed = False
+        health = self.health
         try:
             body = await self.fetcher.open(dl.url)
             dl.size, dl.etag = body.size, body.etag
             dl.last_modified, dl.content_type = body.last_modified, body.content_type
-            if should_admit(body.size, self.cache_size):
+            dl.cache_control = body.cache_control
+            size, etag, lm = body.size, body.etag, body.last_modified
+            dl._upstream_range = lambda start, end: self.fetcher.read_range(
+                dl.url, start, end, size=size, etag=etag, last_modified=lm
+            )
+            if cache_control_forbids(body.cache_control):
+                dl.bypass_reason = f"upstream Cache-Control: {body.cache_control}"
+            elif not health.writable:
+                dl.bypass_reason = "the store is not writable"
+            elif should_admit(body.size, self.cache_size):
                 try:
                     partial = await asyncio.to_thread(self.store.begin, dl.url, body.size)
                 except CacheError as exc:
-                    log.error("cannot cache %s, streaming it through: %s", dl.url, exc)
+                    err = health.classify("create", exc)
+                    if err is not None:
+                        health.failed(err)
+                    else:
+                        log.error("cannot cache %s, streaming it through: %s", dl.url, exc)
+                    dl.bypass_reason = f"store error: {exc}"
             if partial is None:
-                log.info("%s not admitted (size %s), streaming through uncached", dl.url, body.size)
+                log.info(
+                    "%s not cached (%s), streaming it through",
+                    dl.url,
+                    dl.bypass_reason or f"size {body.size} not admitted",
+                )
                 dl._bypass_body, body = body, None
                 dl.state = "bypass"
                 loop.call_later(BYPASS_CLAIM_SECONDS, self._close_unclaimed, dl)
@@ -344,11 +402,34 @@ class Inflight:
             hasher = hashlib.md5(usedforsecurity=False) if body.md5 else None
             # Batches of up to 1 MiB, written off the loop (by the thread that received
             # them when the fetcher has one): the readers wake once per batch.
-            async for n in body.pump(wfd, hasher):
-                dl.written += n
-                dl._notify()
-                if dl.cached and body.size is None and dl.written > partial.reserved:
-                    await self._grow(dl, partial)
+            try:
+                async for n in body.pump(wfd, hasher):
+                    dl.written += n
+                    dl._notify()
+                    if dl.cached and body.size is None and dl.written > partial.reserved:
+                        await self._grow(dl, partial)
+            except OSError as exc:
+                err = health.classify("write", exc)
+                if err is None:
+                    raise
+                # the disk refused: discard the partial, clients continue from the upstream
+                health.failed(err)
+                body.close()
+                body = None
+                os.close(wfd)
+                wfd = None
+                with contextlib.suppress(CacheError):
+                    await asyncio.to_thread(self.store.abort, partial)
+                partial = None
+                dl.cached = False
+                dl.error = err
+                dl.state = "passthrough"
+                log.warning(
+                    "%s: store write failed after %d bytes; its clients continue from the upstream",
+                    dl.url,
+                    dl.written,
+                )
+                return
             if body.size is not None and dl.written != body.size:
                 raise IncompleteDownloadError(dl.url, dl.written, body.size)
             if hasher is not None and hasher.digest() != body.md5:
@@ -368,7 +449,11 @@ class Inflight:
                         content_type=dl.content_type,
                     )
                 except CacheError as exc:  # the bytes sent were right; only caching failed
-                    log.error("could not commit %s: %s", dl.url, exc)
+                    err = health.classify("commit", exc)
+                    if err is not None:
+                        health.failed(err)
+                    else:
+                        log.error("could not commit %s: %s", dl.url, exc)
                 partial = None
             dl.state = "done"
             log.info("downloaded %s (%d bytes)", dl.url, dl.written)
@@ -404,12 +489,20 @@ class Inflight:
 
     async def _grow(self, dl: Download, partial: Partial) -> None:
         want = dl.written + GROW_STEP
-        ok = await asyncio.to_thread(self.store.grow, partial, want)
+        try:
+            ok = await asyncio.to_thread(self.store.grow, partial, want)
+        except CacheError as exc:
+            err = self.health.classify("index", exc)
+            if err is None:
+                raise
+            self.health.failed(err)
+            ok = False
         if not ok:
             # Too big to keep: drop the reservation and the directory entry; the open
             # descriptors keep the bytes readable for the clients already following.
             log.info("%s outgrew the cache at %d bytes; finishing uncached", dl.url, dl.written)
-            await asyncio.to_thread(self.store.abort, partial)
+            with contextlib.suppress(CacheError):
+                await asyncio.to_thread(self.store.abort, partial)
             dl.cached = False
 
     def _close_unclaimed(self, dl: Download) -> None:

@@ -14,6 +14,9 @@ Names (all prefixed ``shardcache_``)::
     downloads_in_progress             downloads of this proxy running now
     time_to_first_byte_seconds        from request to the first body byte sent (histogram)
     failed_downloads_total            downloads abandoned mid-body (their clients aborted)
+    store_writable                    1 while the store takes writes, 0 while it passes through
+    store_errors_total{op,errno}      writes the disk or index refused (ENOSPC, EIO, EROFS...)
+    revalidations_total{result}       conditional requests for aged hits: fresh|changed|gone|error
 """
 
 from __future__ import annotations
@@ -76,6 +79,23 @@ class ProxyMetrics:
         self.failed_downloads = Counter(
             "shardcache_failed_downloads_total",
             "Downloads abandoned mid-body; their clients' connections were aborted.",
+            registry=r,
+        )
+        self.store_writable = Gauge(
+            "shardcache_store_writable",
+            "1 while the store takes writes; 0 while misses pass through uncached.",
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "shardcache_store_errors_total",
+            "Writes refused by the disk or the index, by operation and errno.",
+            ["op", "errno"],
+            registry=r,
+        )
+        self.revalidations = Counter(
+            "shardcache_revalidations_total",
+            "Conditional requests for aged hits, by result (fresh, changed, gone, error).",
+            ["result"],
             registry=r,
         )
         # plain in-process tallies for /-/stats

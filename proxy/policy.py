@@ -30,6 +30,10 @@ from urllib.parse import quote, unquote, urlsplit
 from shardcache.errors import BadRequest, Forbidden, NotFound, RangeNotSatisfiable
 
 __all__ = [
+    "parse_min_free",
+    "parse_revalidate",
+    "needs_revalidation",
+    "cache_control_forbids",
     "ByteRange",
     "Upstream",
     "parse_size",
@@ -79,6 +83,60 @@ def parse_size(text: str | int) -> int:
     if not math.isfinite(value):
         raise ValueError(f"size too large: {text!r}")
     return int(value)
+
+
+def parse_min_free(text: str) -> int | float:
+    """``--min-free``: a byte count (``"2G"``, ``"0"``) -> int, or a percentage of the
+    filesystem (``"5%"``) -> a fraction below 1. Raises ValueError naming the bad text."""
+    t = text.strip()
+    if t.endswith("%"):
+        try:
+            pct = float(t[:-1])
+        except ValueError:
+            raise ValueError(f"not a percentage: {text!r}") from None
+        if not 0 <= pct < 100:
+            raise ValueError(f"percentage must be in [0, 100): {text!r}")
+        return pct / 100.0
+    return parse_size(t)
+
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$", re.IGNORECASE)
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_revalidate(text: str) -> float | None:
+    """``--revalidate``: ``never`` -> None (entries are immutable), ``always`` -> 0.0, or an
+    age such as ``30s``, ``10m``, ``1h``, ``2d``, ``500ms`` or plain seconds -> seconds.
+    Raises ValueError naming the bad text."""
+    t = text.strip().lower()
+    if t == "never":
+        return None
+    if t == "always":
+        return 0.0
+    m = _DURATION_RE.match(t)
+    if not m:
+        raise ValueError(f"expected never, always or an age such as 10m (got {text!r})")
+    value = float(m.group(1)) * _DURATION_UNITS[(m.group(2) or "s").lower()]
+    if not math.isfinite(value):
+        raise ValueError(f"age too large: {text!r}")
+    return value
+
+
+def needs_revalidation(max_age: float | None, validated: float, now: float) -> bool:
+    """Whether a hit validated at ``validated`` must ask the upstream first."""
+    return max_age is not None and now - validated >= max_age
+
+
+def cache_control_forbids(value: str | None) -> bool:
+    """Whether an upstream ``Cache-Control`` forbids a shared cache to store the answer
+    (``no-store`` or ``private``)."""
+    if not value:
+        return False
+    for directive in value.split(","):
+        name = directive.split("=", 1)[0].strip().lower()
+        if name in ("no-store", "private"):
+            return True
+    return False
 
 
 def format_size(n: int) -> str:

@@ -307,6 +307,6 @@ def test_serve_bad_flag_exits_nonzero_naming_it(tmp_path):
         text=True,
         timeout=60,
     )
-    assert res.returncode == 1
+    assert res.returncode == 2
     assert "--cache-size" in res.stderr and "parsecs" in res.stderr
     assert res.stderr.count("\n") == 1

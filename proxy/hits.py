@@ -1,0 +1,117 @@
+"""The hit path's view of the store: entry files opened on the event loop, small hot
+entries served from RAM.
+
+A hit needs no thread hop: the entry comes from :meth:`shardcache.store.Store.lookup`
+(memory), the file is opened and checked with ``fstat`` on the loop (a local ``open`` is a
+few microseconds, as nginx does it), and the bytes go out with ``sendfile``. Entries of at
+most ``max_object`` bytes are kept in a RAM tier bounded by ``max_bytes`` (least recently
+used dropped first); each RAM hit still ``stat``s the entry file, so an entry evicted or
+replaced by another process sharing the directory is never served from RAM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import OrderedDict
+from typing import IO
+
+from shardcache.store import Entry, Store
+
+__all__ = ["HitTier"]
+
+Stamp = tuple[int, int, int]
+
+
+def _stamp(st: os.stat_result) -> Stamp:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class HitTier:
+    """Opens entry files for hits and keeps the bytes of small hot entries in RAM."""
+
+    def __init__(self, store: Store, max_bytes: int = 64 << 20, max_object: int = 256 << 10):
+        self.store = store
+        self.max_bytes = max_bytes
+        self.max_object = max_object
+        self._ram: OrderedDict[str, tuple[Stamp, bytes]] = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._ram)
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def cacheable(self, entry: Entry) -> bool:
+        return 0 < entry.size <= self.max_object and self.max_bytes > 0
+
+    def _drop(self, key: str) -> None:
+        item = self._ram.pop(key, None)
+        if item is not None:
+            self._bytes -= len(item[1])
+
+    def small(self, entry: Entry) -> bytes | None:
+        """The RAM copy of ``entry`` if it is still the file on disk, else None."""
+        item = self._ram.get(entry.key)
+        if item is None:
+            return None
+        try:
+            st = os.stat(entry.path)
+        except OSError:
+            self._drop(entry.key)
+            return None
+        if _stamp(st) != item[0] or st.st_size != entry.size:
+            self._drop(entry.key)
+            return None
+        self._ram.move_to_end(entry.key)
+        return item[1]
+
+    async def load(self, entry: Entry) -> bytes | None:
+        """Read a small entry (in a thread, once) into the RAM tier; None if its file is
+        missing or no longer has the indexed size."""
+
+        def read() -> tuple[Stamp, bytes] | None:
+            try:
+                fd = os.open(entry.path, os.O_RDONLY)
+            except OSError:
+                return None
+            try:
+                st = os.fstat(fd)
+                if st.st_size != entry.size:
+                    return None
+                data = os.pread(fd, entry.size, 0)
+            finally:
+                os.close(fd)
+            return (_stamp(st), data) if len(data) == entry.size else None
+
+        got = await asyncio.to_thread(read)
+        if got is None:
+            return None
+        stamp, data = got
+        self._drop(entry.key)
+        self._ram[entry.key] = (stamp, data)
+        self._bytes += len(data)
+        while self._bytes > self.max_bytes and self._ram:
+            _, (_, old) = self._ram.popitem(last=False)
+            self._bytes -= len(old)
+        return data
+
+    def open(self, entry: Entry) -> IO[bytes] | None:
+        """The entry file opened for reading (on the loop), or None if it is missing or
+        has another size than the index says (evicted or replaced by another process)."""
+        try:
+            fd = os.open(entry.path, os.O_RDONLY)
+        except OSError:
+            self._drop(entry.key)
+            return None
+        try:
+            if os.fstat(fd).st_size != entry.size:
+                os.close(fd)
+                self._drop(entry.key)
+                return None
+        except OSError:
+            os.close(fd)
+            return None
+        return open(fd, "rb", buffering=0)  # noqa: SIM115 - closed by the caller
