@@ -318,8 +318,12 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                 resp = await _serve_hit(request, entry)
                 if resp is not None:
                     return resp
+                # evicted (or replaced) by another process between lookup and open: drop
+                # a row whose file is gone or has another size, then look again
                 store.forget(entry.key)
-                continue  # evicted between lookup and open: look again
+                await asyncio.to_thread(store.get, url, touch=False)
+                store.forget(entry.key)
+                continue
             if not request.app[HEALTH].writable:
                 return await _serve_bypass(request, url)
             dl = inflight.get(url)

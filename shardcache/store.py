@@ -42,19 +42,20 @@ when opened, a newer one is refused with :class:`StoreUnusable`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
+import re
 import secrets
 import socket
 import sqlite3
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 from shardcache.errors import (
     CacheError,
@@ -151,7 +152,7 @@ class _Rollback(Exception):
     """Raised inside a transaction to roll it back."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Entry:
     """A complete cache entry; its bytes are in ``path``."""
 
@@ -269,11 +270,43 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+_UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
 def _is_uuid(name: str) -> bool:
+    """Whether ``name`` is a canonical (lower-case, hyphenated) UUID, as shard_uuid makes."""
+    return len(name) == 36 and _UUID_RE.fullmatch(name) is not None
+
+
+class _Indexed(NamedTuple):
+    url: str
+    size: int
+
+
+class _PathStr:
+    """A directory entry's path, made into a Path only when a file is moved or removed."""
+
+    __slots__ = ("base", "name")
+
+    def __init__(self, base: str, name: str) -> None:
+        self.base, self.name = base, name
+
+    def __str__(self) -> str:
+        return os.path.join(self.base, self.name)
+
+    def __fspath__(self) -> str:
+        return str(self)
+
+    @property
+    def path(self) -> Path:
+        return Path(self.base, self.name)
+
+
+def _size_of(path: str) -> int | None:
     try:
-        return str(uuid.UUID(name)) == name
-    except ValueError:
-        return False
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return None
 
 
 def _parse_part(name: str) -> tuple[str, int] | None:
@@ -418,7 +451,9 @@ class Store:
         total, _ = self._disk()
         self.min_free = resolve_min_free(min_free, total)
         if reconcile:
-            self._reconcile(fix=True)
+            # names only: with 100,000 entries a stat of each would cost seconds; sizes
+            # are checked on every hit (fstat) and by check()
+            self._reconcile(fix=True, verify_sizes=False)
             self._fit_to_disk()
 
     # -- free space --------------------------------------------------------------------
@@ -722,7 +757,7 @@ class Store:
         with self._touch_lock:
             rec = self._touched.setdefault(entry.key, [entry.last_access, 0, 0.0])
             rec[2] = now
-        fresh = Entry(**{**entry.__dict__, "validated": now})
+        fresh = dataclasses.replace(entry, validated=now)
         if self._mem.get(entry.key) is entry:
             self._mem[entry.key] = fresh
         return fresh
@@ -822,7 +857,7 @@ class Store:
                 conn.execute(
                     "UPDATE entries SET last_access = ?, hits = hits + 1 WHERE key = ?", (now, key)
                 )
-                entry = Entry(**{**entry.__dict__, "last_access": now, "hits": entry.hits + 1})
+                entry = dataclasses.replace(entry, last_access=now, hits=entry.hits + 1)
         if bad_file is not None:
             self._unlink(bad_file)
         return entry
@@ -1184,7 +1219,7 @@ class Store:
         """
         return self._reconcile(fix=fix)
 
-    def _reconcile(self, fix: bool) -> CheckReport:
+    def _reconcile(self, fix: bool, verify_sizes: bool = True) -> CheckReport:
         report = CheckReport(ok=True)
         to_unlink: list[Path] = []
         evicted: list[tuple[Entry, Path | None]] = []
@@ -1202,18 +1237,22 @@ class Store:
                         report.fixed.append(f"released reservation {name}")
                 else:
                     live_parts.add(name)
-            # Files in the directory.
+            # Files in the directory (key -> (url, size): no Entry objects for 100k rows)
             rows = {
-                r[0]: self._row_to_entry(r)
-                for r in conn.execute(f"SELECT {_ENTRY_COLS} FROM entries").fetchall()
+                r[0]: _Indexed(r[1], r[2])
+                for r in conn.execute("SELECT key, url, size FROM entries").fetchall()
             }
             seen: set[str] = set()
+            base = str(self.cache_dir)
             try:
                 names = os.listdir(self.cache_dir)
             except OSError as exc:
                 raise CacheError(f"{self.cache_dir}: cannot list cache directory: {exc}") from exc
             for name in names:
-                path = self.cache_dir / name
+                if not verify_sizes and name in rows:
+                    seen.add(name)  # an indexed entry: nothing more to learn without a stat
+                    continue
+                path = _PathStr(base, name)
                 if _parse_part(name) is not None:
                     # No live reservation: its writer is gone (begin reserves before it
                     # creates the file; commit and abort remove both together).
@@ -1222,17 +1261,19 @@ class Store:
                     report.stale_partials += 1
                     report.problems.append(f"stale partial download {name}")
                     if fix:
-                        to_unlink.append(path)
+                        to_unlink.append(path.path)
                         report.fixed.append(f"removed {name}")
                 elif _is_del(name):
                     report.problems.append(f"leftover evicted file {name}")
                     if fix:
-                        to_unlink.append(path)
+                        to_unlink.append(path.path)
                         report.fixed.append(f"removed {name}")
                 elif _is_uuid(name):
                     seen.add(name)
                     entry = rows.get(name)
-                    size = self._file_size(path)
+                    if entry is not None and not verify_sizes:
+                        continue
+                    size = _size_of(str(path))
                     if size is None:
                         continue
                     if entry is None:
@@ -1241,7 +1282,7 @@ class Store:
                             f"orphan entry file {name} ({size} bytes, not in the index)"
                         )
                         if fix:
-                            moved = self._move_aside(path)
+                            moved = self._move_aside(path.path)
                             if moved is not None:
                                 to_unlink.append(moved)
                             report.fixed.append(f"removed orphan {name}")
@@ -1252,7 +1293,7 @@ class Store:
                         )
                         if fix:
                             conn.execute("DELETE FROM entries WHERE key = ?", (name,))
-                            moved = self._move_aside(path)
+                            moved = self._move_aside(path.path)
                             if moved is not None:
                                 to_unlink.append(moved)
                             report.fixed.append(f"dropped entry {name} ({entry.url})")
