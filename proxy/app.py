@@ -46,9 +46,11 @@ from shardcache.errors import (
     NotFound,
     ProxyError,
     RangeNotSatisfiable,
+    StoreUnusable,
+    StoreWriteError,
     UpstreamError,
 )
-from shardcache.store import Entry, Store
+from shardcache.store import Entry, Store, disk_full
 
 __all__ = [
     "make_app",
@@ -152,16 +154,24 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         m.evictions.inc()
         m.evicted_bytes.inc(entry.size)
 
-    def open_store() -> Store:
+    def open_store() -> tuple[Store, StoreWriteError | None]:
         st = Store(s.cache_dir, s.cache_size, s.eviction, on_evict, min_free=s.min_free)  # type: ignore[arg-type]
-        st.check_writable()  # StoreUnusable (exit 2) before listening
-        return st
+        try:
+            st.check_writable()  # StoreUnusable (exit 2) before listening
+        except StoreUnusable as exc:
+            full = disk_full(exc)
+            if full is None:
+                raise
+            return st, full  # writable but full: start passing through, probe for room
+        return st, None
 
-    store = await asyncio.to_thread(open_store)
+    store, full = await asyncio.to_thread(open_store)
     if store.size_warning:
         log.warning("%s", store.size_warning)
     m.cache_limit.set(store.cache_size)
     health = StoreHealth(store, m, s.store_probe_interval)
+    if full is not None:
+        health.failed(full)
     fetcher = Fetcher(
         connect_timeout=s.connect_timeout,
         read_timeout=s.read_timeout,

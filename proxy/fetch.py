@@ -33,7 +33,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, urljoin, urlsplit
 
 import aiohttp
 
@@ -158,8 +158,11 @@ class UpstreamRedirect(ProxyError):
     nothing is cached under the requested URL."""
 
     def __init__(self, url: str, status: int, location: str) -> None:
+        # absolute, so that the client follows it to the upstream's target, not to a path
+        # of the proxy that maps somewhere else
+        location = urljoin(url, location)
         super().__init__(f"upstream {url} redirects to {location}", status_hint=status)
-        self.headers = {"Location": location}
+        self.headers = {"Location": location, "X-Cache": "BYPASS"}
 
 
 class _ConnectError(Exception):

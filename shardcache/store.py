@@ -79,6 +79,7 @@ __all__ = [
     "FORMAT_VERSION",
     "STORE_ERRNOS",
     "store_write_error",
+    "disk_full",
 ]
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ STORE_ERRNOS = frozenset(
     )
     if e is not None
 )
+FULL_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if e)
 _SQLITE_ERRNO = {
     "SQLITE_FULL": errno.ENOSPC,
     "SQLITE_READONLY": errno.EROFS,
@@ -278,6 +280,22 @@ def _is_uuid(name: str) -> bool:
     return len(name) == 36 and _UUID_RE.fullmatch(name) is not None
 
 
+def disk_full(exc: BaseException) -> StoreWriteError | None:
+    """The ENOSPC/EDQUOT error behind ``exc`` (following its causes), else None: a full
+    disk is a state to wait out, not a misconfiguration."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in FULL_ERRNOS:
+            return StoreWriteError(
+                "write",
+                getattr(seen, "filename", None) or "cache",
+                seen.errno,
+                seen.strerror or str(seen),
+            )
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class _Indexed(NamedTuple):
     url: str
     size: int
@@ -438,8 +456,9 @@ class Store:
         # accesses not yet in the index: key -> [last_access, hits to add, validated or 0]
         self._touched: dict[str, list] = {}
         self._touch_lock = threading.Lock()
-        # reservations whose release failed (index not writable): released by the next flush
-        self._unreleased: set[str] = set()
+        # reservations whose release failed (index not writable): .part name -> bytes,
+        # released by the next flush and not counted as reserved meanwhile
+        self._unreleased: dict[str, int] = {}
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -453,7 +472,10 @@ class Store:
         if reconcile:
             # names only: with 100,000 entries a stat of each would cost seconds; sizes
             # are checked on every hit (fstat) and by check()
-            self._reconcile(fix=True, verify_sizes=False)
+            try:
+                self._reconcile(fix=True, verify_sizes=False)
+            except StoreWriteError as exc:
+                raise self._unusable(exc) from exc
             self._fit_to_disk()
 
     # -- free space --------------------------------------------------------------------
@@ -792,7 +814,7 @@ class Store:
         kept for the next flush (merged with newer accesses)."""
         touched = self._take_touches()
         with self._touch_lock:
-            unreleased, self._unreleased = self._unreleased, set()
+            unreleased, self._unreleased = self._unreleased, {}
         if not touched and not unreleased:
             return 0
         try:
@@ -802,7 +824,7 @@ class Store:
                     conn.execute("DELETE FROM reservations WHERE name = ?", (name,))
         except BaseException:
             with self._touch_lock:
-                self._unreleased |= unreleased
+                self._unreleased.update(unreleased)
             with self._touch_lock:
                 for key, (last, hits, validated) in touched.items():
                     rec = self._touched.setdefault(key, [last, 0, 0.0])
@@ -1132,7 +1154,7 @@ class Store:
         Idempotent.
         """
         self._unlink(partial.path)
-        partial.reserved = 0
+        reserved, partial.reserved = partial.reserved, 0
         try:
             with self._tx() as conn:
                 conn.execute("DELETE FROM reservations WHERE name = ?", (partial.path.name,))
@@ -1140,7 +1162,7 @@ class Store:
             # the index cannot take the write now (disk full, read-only): never keep the
             # space reserved for good; the next access flush releases it
             with self._touch_lock:
-                self._unreleased.add(partial.path.name)
+                self._unreleased[partial.path.name] = reserved
             raise
 
     # -- administration ----------------------------------------------------------------
@@ -1197,10 +1219,12 @@ class Store:
                 "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM reservations"
             ).fetchone()
         total, free = self._disk()
+        with self._touch_lock:
+            released = sum(self._unreleased.values())  # rows the index could not drop yet
         return {
             "entries": int(n),
             "bytes": int(nbytes),
-            "reserved": int(reserved),
+            "reserved": max(0, int(reserved) - released),
             "limit": self.cache_size,
             "effective_limit": self.disk_limit(int(nbytes)),
             "downloads": int(k),

@@ -330,6 +330,9 @@ async def test_redirect_is_passed_on_not_followed(aiohttp_server, tmp_path):
         with pytest.raises(UpstreamRedirect) as info:
             await f.open(f"http://127.0.0.1:{server.port}/moved.tar")
         assert info.value.status_hint == 302
-        assert info.value.headers == {"Location": "/real.tar"}
+        assert info.value.headers == {
+            "Location": f"http://127.0.0.1:{server.port}/real.tar",
+            "X-Cache": "BYPASS",
+        }
     finally:
         await f.close()
