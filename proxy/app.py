@@ -321,7 +321,11 @@ async def _shard(request: web.Request) -> web.StreamResponse:
         dl = inflight.get(url)
         cache = "COALESCED"
         if dl is None:
-            entry = store.lookup(url)
+            try:
+                entry = store.lookup(url)
+            except CacheError as exc:  # the index cannot be read: answer from the upstream
+                log.error("cache lookup of %s failed, passing it through: %s", url, exc)
+                return await _serve_bypass(request, url)
             if entry is not None and needs_revalidation(s.revalidate, entry.validated, time.time()):
                 entry = await _revalidate(request, url, entry)
             if entry is not None:

@@ -74,8 +74,8 @@ _OPTIONS: tuple[tuple[str, str, str], ...] = (
     (
         "--min-free",
         "min_free",
-        "space always kept free on the cache filesystem: bytes (2G) or a percentage (10%) "
-        "(default 5%, at most 1GiB)",
+        "space always kept free on the cache filesystem: bytes (2G) or a percentage (10%%) "
+        "(default 5%%, at most 1GiB)",
     ),
     (
         "--revalidate",

@@ -659,7 +659,7 @@ def option_rows(
         flag = max(action.option_strings, key=len)
         if action.nargs != 0:
             flag += " " + (action.metavar or action.dest.upper())
-        text = action.help or ""
+        text = (action.help or "").replace("%%", "%")  # argparse escapes
         default = ""
         if action.default not in (None, False, argparse.SUPPRESS):
             default = str(action.default)

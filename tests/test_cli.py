@@ -26,3 +26,12 @@ def test_no_command_prints_help_and_fails():
     res = run_cli()
     assert res.returncode == 2
     assert "usage: shardcache" in res.stdout
+
+
+def test_every_subcommand_help_renders():
+    """argparse formats help lazily: a stray % in one flag's text breaks only --help."""
+    for command in ("serve", "check", "prefetch", "stats", "ls"):
+        res = run_cli(command, "--help")
+        assert res.returncode == 0, (command, res.stderr)
+        assert f"usage: shardcache {command}" in res.stdout
+    assert "(10%)" in run_cli("serve", "--help").stdout
