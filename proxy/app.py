@@ -129,7 +129,7 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
     app[RUNTIME] = {"ready": False, "prefetch": set(), "sendfile": sendfile}
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_on_shutdown)
-    prom = make_aiohttp_handler(app[METRICS].registry, disable_compression=True)
+    prom = make_aiohttp_handler(app[METRICS].exposed, disable_compression=True)
 
     async def metrics_handler(request: web.Request) -> web.StreamResponse:
         await _refresh_gauges(request.app)
@@ -216,6 +216,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         # downloads get up to the grace period (at most 10 s) to verify and commit
         await app[INFLIGHT].stop(finish_within=min(s.grace_period, 10.0))
         await fetcher.close()
+        peers = app[RUNTIME].get("peers")
+        if peers is not None:
+            await peers.close()
         await asyncio.to_thread(store.close)
 
 
@@ -270,7 +273,10 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
         if resp is not None and not resp.prepared and isinstance(resp, web.Response):
             nbytes = 0 if request.method == "HEAD" else len(resp.body or b"")
         duration = time.monotonic() - start
-        request.app[METRICS].observe_request(cache, status, nbytes)
+        if _forwarded(request):
+            note += " for-worker"  # counted by the worker that received it
+        else:
+            request.app[METRICS].observe_request(cache, status, nbytes)
         access_log.info(
             '%s "%s %s" %d %s %d %.3fs%s',
             request.remote,
@@ -340,10 +346,31 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                 continue
             if not request.app[HEALTH].writable:
                 return await _serve_bypass(request, url)
+            claimed = False
+            if s.workers > 1 and not _forwarded(request):
+                # one download per object across the workers of this port
+                try:
+                    state, owner = await asyncio.to_thread(
+                        store.claim, url, request.app[RUNTIME].get("internal_port")
+                    )
+                except CacheError as exc:
+                    log.warning("cannot claim %s, downloading it here: %s", url, exc)
+                    state, owner = "mine", None
+                if state == "cached":
+                    continue
+                if state == "owner" and owner is not None:
+                    resp = await _forward(request, owner)
+                    if resp is not None:
+                        return resp
+                    continue  # the owner is gone: its claim is taken over next time
+                claimed = state == "mine"
             dl = inflight.get(url)
             if dl is None:
-                dl = inflight.start(url)
+                dl = inflight.start(url, claimed=claimed)
                 cache = "MISS"
+            elif claimed:
+                # started meanwhile by another request of this worker, under the same claim
+                dl.claimed = True
         if dl.verified:
             cache = "HIT"  # every byte is local already; only the commit is pending
         try:
@@ -351,6 +378,83 @@ async def _shard(request: web.Request) -> web.StreamResponse:
         finally:
             dl.release()
     raise UpstreamError(f"{url}: entry keeps disappearing; try again")
+
+
+FORWARDED = "X-Shardcache-Worker"  # a request one worker passes to the download's owner
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "content-length",
+    }
+)
+
+
+def _forwarded(request: web.Request) -> bool:
+    """A request another worker passed on (it arrived on this worker's private port)."""
+    if FORWARDED not in request.headers:
+        return False
+    port = request.app[RUNTIME].get("internal_port")
+    transport = request.transport
+    sockname = transport.get_extra_info("sockname") if transport is not None else None
+    return bool(port) and bool(sockname) and sockname[1] == port
+
+
+async def _forward(request: web.Request, port: int) -> web.StreamResponse | None:
+    """Let the worker that owns the download of this request's object answer it, and
+    stream its answer. None when that worker cannot be reached (it died)."""
+    import aiohttp
+
+    session = request.app[RUNTIME].get("peers")
+    if session is None:
+        session = request.app[RUNTIME]["peers"] = aiohttp.ClientSession(
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=None),
+            connector=aiohttp.TCPConnector(limit=0),
+            skip_auto_headers=("Accept-Encoding", "User-Agent"),
+        )
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+    headers[FORWARDED] = str(os.getpid())
+    try:
+        peer = await session.request(
+            request.method,
+            f"http://127.0.0.1:{port}{request.raw_path}",
+            headers=headers,
+            allow_redirects=False,
+        )
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        log.info("worker on port %d unreachable (%s); taking over", port, exc)
+        return None
+    async with peer:
+        out = {k: v for k, v in peer.headers.items() if k.lower() not in _HOP_BY_HOP}
+        if out.get("X-Cache") == "MISS":
+            out["X-Cache"] = "COALESCED"  # this client joined another's download
+        resp = web.StreamResponse(status=peer.status, reason=peer.reason, headers=out)
+        if "Content-Length" in peer.headers:
+            resp.content_length = int(peer.headers["Content-Length"])
+        request[T_RESP] = resp
+        await resp.prepare(request)
+        if request.method == "HEAD":
+            await resp.write_eof()
+            return resp
+        try:
+            async for chunk in peer.content.iter_chunked(1 << 20):
+                await resp.write(chunk)
+                request[T_BYTES] += len(chunk)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            # the owner aborted (its download failed) or died: never end cleanly
+            log.warning(
+                "aborting %s %s: worker answer cut: %s", request.method, request.raw_path, exc
+            )
+            _abort_client(request)
+            return resp
+        await resp.write_eof()
+        return resp
 
 
 def _base_headers(cache: str, etag: str | None, last_modified: str | None) -> dict[str, str]:
@@ -657,7 +761,8 @@ async def _refresh_gauges(app: web.Application) -> dict[str, Any]:
 async def _stats(request: web.Request) -> web.Response:
     st = await _refresh_gauges(request.app)
     m = request.app[METRICS]
-    total = m.hits + m.misses
+    t = m.totals()
+    total = t["hits"] + t["misses"]
     body = {
         "entries": st["entries"],
         "bytes": st["bytes"],
@@ -666,11 +771,13 @@ async def _stats(request: web.Request) -> web.Response:
         "policy": st["policy"],
         "in_flight": len(request.app[INFLIGHT]),
         "downloads_all_processes": st["downloads"],
-        "hits": m.hits,
-        "misses": m.misses,
-        "hit_ratio": (m.hits / total) if total else 0.0,
-        "upstream_bytes": m.total_upstream_bytes(),
-        "served_bytes": m.total_response_bytes(),
+        "hits": t["hits"],
+        "misses": t["misses"],
+        "hit_ratio": (t["hits"] / total) if total else 0.0,
+        "upstream_bytes": t["upstream_bytes"],
+        "served_bytes": t["served_bytes"],
+        "workers": request.app[SETTINGS].workers,
+        "pid": os.getpid(),
         "store": {
             **request.app[HEALTH].snapshot(),
             "free_bytes": st["free_bytes"],

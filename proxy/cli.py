@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 from proxy.config import Settings, add_serve_arguments, configure_logging, settings_from_args
 from shardcache.errors import ConfigError, StoreUnusable
@@ -60,6 +61,14 @@ def serve(settings: Settings) -> int:
     Exit code 2, before listening, when the settings or the cache directory cannot be
     used (the message names the flag, or the path, the uid and what to do).
     """
+    if settings.workers > 1:
+        from proxy.workers import serve_workers
+
+        try:
+            return serve_workers(settings)
+        except (ConfigError, StoreUnusable) as exc:
+            print(f"shardcache serve: error: {exc}", file=sys.stderr)
+            return 2
     try:
         asyncio.run(run_server(settings))
     except (ConfigError, StoreUnusable) as exc:
@@ -68,8 +77,18 @@ def serve(settings: Settings) -> int:
     return 0
 
 
-async def run_server(settings: Settings, stop: asyncio.Event | None = None) -> None:
-    """Serve until ``stop`` is set (or SIGTERM/SIGINT arrives)."""
+async def run_server(
+    settings: Settings,
+    stop: asyncio.Event | None = None,
+    *,
+    worker: int | None = None,
+    ready: Callable[[], None] | None = None,
+) -> None:
+    """Serve until ``stop`` is set (or SIGTERM/SIGINT arrives).
+
+    As ``worker`` N of ``serve --workers``, listen on the shared port with SO_REUSEPORT,
+    plus on a private 127.0.0.1 port where followers in other workers reach the
+    downloads this worker owns; call ``ready`` once listening."""
     from aiohttp import web
 
     from proxy.app import make_app
@@ -88,16 +107,29 @@ async def run_server(settings: Settings, stop: asyncio.Event | None = None) -> N
     )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
+        site = web.TCPSite(
+            runner, settings.host, settings.port, backlog=1024, reuse_port=worker is not None
+        )
         try:
             await site.start()
         except OSError as exc:
             raise ConfigError(
                 "--port", f"cannot listen on {settings.host}:{settings.port}: {exc}"
             ) from None
-        for addr in runner.addresses:
-            host, port = addr[0], addr[1]
-            log.info("shardcache serving on http://%s:%d", host, port)
+        if worker is None:
+            for addr in runner.addresses:
+                host, port = addr[0], addr[1]
+                log.info("shardcache serving on http://%s:%d", host, port)
+        else:
+            from proxy.app import RUNTIME
+
+            peer = web.TCPSite(runner, "127.0.0.1", 0)
+            await peer.start()
+            sockets = peer._server.sockets if peer._server is not None else ()
+            app[RUNTIME]["internal_port"] = sockets[0].getsockname()[1]
+            log.info("worker %d (pid %d) ready", worker, os.getpid())
+            if ready is not None:
+                ready()
         sys.stderr.flush()
         await stop.wait()
         log.info(

@@ -60,6 +60,7 @@ class Settings:
     min_free: int | float | None = None  # bytes, a fraction, or None: 5%, at most 1 GiB
     revalidate: float | None = None  # None: never (immutable); 0: always; else max age s
     store_probe_interval: float = 5.0
+    workers: int = 1
 
 
 # (flag, dest, help, default-as-text or None)
@@ -68,6 +69,12 @@ _OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("--cache-size", "cache_size", "bound on cached bytes, e.g. 500G, 1.5T, 10MiB (default 100G)"),
     ("--host", "host", "address to listen on (default 127.0.0.1)"),
     ("--port", "port", "port to listen on; 0 picks a free one (default 8080)"),
+    (
+        "--workers",
+        "workers",
+        "processes serving the port, one store; a miss still costs one upstream GET "
+        "(default 1)",
+    ),
     ("--admin-token", "admin_token", "bearer token required by mutating admin routes"),
     ("--log-level", "log_level", "debug, info, warning, error (default info)"),
     ("--eviction", "eviction", "lru, fifo or keep (stop admitting once full) (default lru)"),
@@ -264,6 +271,7 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         ("--max-path-length", "max_path_length", int, 16),
         ("--prefetch-concurrency", "prefetch_concurrency", int, 1),
         ("--store-probe-interval", "store_probe_interval", float, 0.05),
+        ("--workers", "workers", int, 1),
     ):
         if (v := get(dest)) is not None:
             kw[dest] = _number(flag, v, kind, minimum)
@@ -301,6 +309,8 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
     for dest in ("s3_region", "s3_profile", "s3_front_access_key", "s3_front_secret_key"):
         if (v := get(dest)) is not None:
             kw[dest] = v
+    if int(kw.get("workers", 1)) > 64:  # type: ignore[call-overload]
+        raise ConfigError("--workers", f"must be at most 64 (got {kw['workers']})")
     access, secret = kw.get("s3_front_access_key"), kw.get("s3_front_secret_key")
     if access and not secret:
         raise ConfigError("--s3-front-secret-key", "required with --s3-front-access-key")

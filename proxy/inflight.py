@@ -85,6 +85,7 @@ class Download:
         self._refs = 1  # the download task itself
         self._bypass_body: UpstreamBody | None = None
         self.bypass_reason = ""
+        self.claimed = False  # holds the store's cross-process claim (--workers)
         self.cache_control: str | None = None
         self.task: asyncio.Task | None = None
         # passthrough: reads bytes [start, end) of this version from the upstream
@@ -319,12 +320,14 @@ class Inflight:
             dl.acquire()
         return dl
 
-    def start(self, url: str) -> Download:
+    def start(self, url: str, *, claimed: bool = False) -> Download:
         """Start downloading ``url`` (caller checked it is neither cached nor running);
-        the returned download is acquired for the caller."""
+        the returned download is acquired for the caller. ``claimed``: the caller holds
+        the store's cross-process claim on ``url``, released when the download ends."""
         if url in self._downloads:
             return self.get(url)  # type: ignore[return-value]
         dl = Download(url)
+        dl.claimed = claimed
         dl.acquire()
         self._downloads[url] = dl
         dl.task = asyncio.get_running_loop().create_task(self._run(dl), name=f"download {url}")
@@ -483,6 +486,10 @@ class Inflight:
                 dl.state = "failed"
             if self._downloads.get(dl.url) is dl:
                 del self._downloads[dl.url]
+            if dl.claimed:
+                # after the commit: a process asking from now on finds the entry
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(asyncio.to_thread(self.store.release_claim, dl.url))
             m.downloads_in_progress.dec()
             dl._notify()
             dl.release()

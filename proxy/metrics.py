@@ -17,9 +17,16 @@ Names (all prefixed ``shardcache_``)::
     store_writable                    1 while the store takes writes, 0 while it passes through
     store_errors_total{op,errno}      writes the disk or index refused (ENOSPC, EIO, EROFS...)
     revalidations_total{result}       conditional requests for aged hits: fresh|changed|gone|error
+
+With ``serve --workers N`` every worker writes its values to ``PROMETHEUS_MULTIPROC_DIR``
+(set by the parent before any worker imports prometheus_client) and ``/metrics`` and
+``/-/stats`` read all workers' values, so whichever worker answers, the totals add up.
+Gauges of the shared store report the latest value; downloads in progress add up.
 """
 
 from __future__ import annotations
+
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -53,21 +60,34 @@ class ProxyMetrics:
         self.upstream_bytes = Counter(
             "shardcache_upstream_bytes_total", "Body bytes received from upstreams.", registry=r
         )
+        latest = "livemostrecent"  # one shared store: every worker sees the same values
         self.cache_size = Gauge(
-            "shardcache_cache_size_bytes", "Bytes in complete cache entries.", registry=r
+            "shardcache_cache_size_bytes",
+            "Bytes in complete cache entries.",
+            registry=r,
+            multiprocess_mode=latest,
         )
         self.cache_limit = Gauge(
-            "shardcache_cache_limit_bytes", "Configured bound on cached bytes.", registry=r
+            "shardcache_cache_limit_bytes",
+            "Configured bound on cached bytes.",
+            registry=r,
+            multiprocess_mode=latest,
         )
         self.cache_entries = Gauge(
-            "shardcache_cache_entries", "Number of complete cache entries.", registry=r
+            "shardcache_cache_entries",
+            "Number of complete cache entries.",
+            registry=r,
+            multiprocess_mode=latest,
         )
         self.evictions = Counter("shardcache_evictions_total", "Cache entries evicted.", registry=r)
         self.evicted_bytes = Counter(
             "shardcache_evicted_bytes_total", "Bytes of evicted cache entries.", registry=r
         )
         self.downloads_in_progress = Gauge(
-            "shardcache_downloads_in_progress", "Upstream downloads running now.", registry=r
+            "shardcache_downloads_in_progress",
+            "Upstream downloads running now.",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.ttfb = Histogram(
             "shardcache_time_to_first_byte_seconds",
@@ -85,6 +105,7 @@ class ProxyMetrics:
             "shardcache_store_writable",
             "1 while the store takes writes; 0 while misses pass through uncached.",
             registry=r,
+            multiprocess_mode="livemin",
         )
         self.store_errors = Counter(
             "shardcache_store_errors_total",
@@ -98,9 +119,13 @@ class ProxyMetrics:
             ["result"],
             registry=r,
         )
-        # plain in-process tallies for /-/stats
-        self.hits = 0
-        self.misses = 0
+        # what /metrics and the totals read: this registry, or every worker's values
+        self.exposed = r
+        if multiprocess():
+            from prometheus_client import multiprocess as mp
+
+            self.exposed = CollectorRegistry()
+            mp.MultiProcessCollector(self.exposed)
 
     def observe_upstream(self, outcome: str) -> None:
         self.upstream_requests.labels(outcome=outcome).inc()
@@ -109,18 +134,26 @@ class ProxyMetrics:
         self.requests.labels(cache=cache, code=str(code)).inc()
         if nbytes:
             self.response_bytes.labels(cache=cache).inc(nbytes)
-        if cache == "HIT":
-            self.hits += 1
-        elif cache in ("MISS", "COALESCED", "BYPASS"):
-            self.misses += 1
 
-    def total_response_bytes(self) -> int:
-        total = 0.0
-        for metric in self.response_bytes.collect():
+    def totals(self) -> dict[str, int]:
+        """Hits, misses (MISS, COALESCED, BYPASS), upstream and served bytes, across all
+        workers."""
+        out = {"hits": 0, "misses": 0, "upstream_bytes": 0, "served_bytes": 0}
+        for metric in self.exposed.collect():
             for s in metric.samples:
-                if s.name.endswith("_total"):
-                    total += s.value
-        return int(total)
+                if s.name == "shardcache_requests_total":
+                    cache = s.labels.get("cache")
+                    if cache == "HIT":
+                        out["hits"] += int(s.value)
+                    elif cache in ("MISS", "COALESCED", "BYPASS"):
+                        out["misses"] += int(s.value)
+                elif s.name == "shardcache_upstream_bytes_total":
+                    out["upstream_bytes"] += int(s.value)
+                elif s.name == "shardcache_response_bytes_total":
+                    out["served_bytes"] += int(s.value)
+        return out
 
-    def total_upstream_bytes(self) -> int:
-        return int(self.upstream_bytes._value.get())
+
+def multiprocess() -> bool:
+    """Whether metric values are shared between worker processes."""
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
