@@ -92,7 +92,9 @@ PART_SUFFIX = ".part"
 DEL_SUFFIX = ".del"
 STALE_AGE = 24 * 3600.0  # a .part or reservation older than this is stale whatever its pid
 BUSY_TIMEOUT_MS = 60_000
-FORMAT_VERSION = 2  # 1: no version recorded (0 in user_version); 2: adds entries.validated
+# 1: no version recorded (0 in user_version); 3: entries.validated, claims, totals kept
+# by triggers (2 was never released)
+FORMAT_VERSION = 3
 DEFAULT_MIN_FREE_FRACTION = 0.05
 DEFAULT_MIN_FREE_CAP = 1 << 30  # the default keeps 5% of the filesystem free, at most 1 GiB
 # errnos that mean "the disk or index cannot take this write", not a bug or a network error
@@ -371,7 +373,28 @@ CREATE TABLE IF NOT EXISTS reservations (
     expected INTEGER,
     bytes INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS claims (
+    key TEXT PRIMARY KEY,           -- one download per entry across processes
+    pid INTEGER NOT NULL,
+    host TEXT NOT NULL,
+    port INTEGER,                   -- where the owner answers followers (127.0.0.1)
+    created REAL NOT NULL
+);
 """
+
+# entry count and bytes kept by the database itself: no SUM over 100,000 rows per miss
+_TOTALS = (
+    "CREATE TABLE IF NOT EXISTS totals (id INTEGER PRIMARY KEY CHECK (id = 0), "
+    "entries INTEGER NOT NULL, bytes INTEGER NOT NULL)",
+    "INSERT OR REPLACE INTO totals (id, entries, bytes) "
+    "SELECT 0, COUNT(*), COALESCE(SUM(size), 0) FROM entries",
+    "CREATE TRIGGER IF NOT EXISTS entries_added AFTER INSERT ON entries BEGIN "
+    "UPDATE totals SET entries = entries + 1, bytes = bytes + NEW.size WHERE id = 0; END",
+    "CREATE TRIGGER IF NOT EXISTS entries_removed AFTER DELETE ON entries BEGIN "
+    "UPDATE totals SET entries = entries - 1, bytes = bytes - OLD.size WHERE id = 0; END",
+    "CREATE TRIGGER IF NOT EXISTS entries_resized AFTER UPDATE OF size ON entries BEGIN "
+    "UPDATE totals SET bytes = bytes - OLD.size + NEW.size WHERE id = 0; END",
+)
 
 _ENTRY_COLS = (
     "key, url, size, etag, last_modified, content_type, created, last_access, hits, validated"
@@ -495,7 +518,7 @@ class Store:
             return
         with self._lock:
             entries_bytes = (
-                self._connect().execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
+                self._connect().execute("SELECT bytes FROM totals WHERE id = 0").fetchone()
             )[0]
         room = max(0, int(entries_bytes) + free - self.min_free)
         if self.requested_size > room:
@@ -557,6 +580,8 @@ class Store:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     conn.execute(statement)
+            for statement in _TOTALS:
+                conn.execute(statement)
             conn.execute(f"PRAGMA user_version = {FORMAT_VERSION}")
             conn.execute("COMMIT")
         except BaseException:
@@ -886,8 +911,46 @@ class Store:
 
     # -- downloads -----------------------------------------------------------------------
 
+    def claim(self, url: str, port: int | None = None) -> tuple[str, int | None]:
+        """Claim the download of ``url`` for this process, across processes.
+
+        ``("cached", None)``: the entry exists (look it up again); ``("mine", None)``: this
+        process downloads it (call :meth:`release_claim` when done, however it ends);
+        ``("owner", port)``: a live process downloads it and answers followers on
+        ``127.0.0.1:port``. A claim of a dead process is taken over.
+        """
+        key = self.key(url)
+        me, now = os.getpid(), time.time()
+        with self._tx() as conn:
+            if conn.execute("SELECT 1 FROM entries WHERE key = ?", (key,)).fetchone():
+                return "cached", None
+            row = conn.execute(
+                "SELECT pid, host, port, created FROM claims WHERE key = ?", (key,)
+            ).fetchone()
+            if row is not None:
+                pid, host, owner_port, created = row
+                if pid == me and host == _HOST:
+                    return "mine", None
+                alive = now - created < STALE_AGE and (host != _HOST or _pid_alive(pid))
+                if alive and owner_port:
+                    return "owner", int(owner_port)
+            conn.execute(
+                "INSERT OR REPLACE INTO claims (key, pid, host, port, created) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (key, me, _HOST, port, now),
+            )
+        return "mine", None
+
+    def release_claim(self, url: str) -> None:
+        """Drop this process's claim on ``url`` (idempotent)."""
+        with self._tx() as conn:
+            conn.execute(
+                "DELETE FROM claims WHERE key = ? AND pid = ? AND host = ?",
+                (self.key(url), os.getpid(), _HOST),
+            )
+
     def _used(self, conn: sqlite3.Connection) -> tuple[int, int]:
-        entries = conn.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0]
+        entries = conn.execute("SELECT bytes FROM totals WHERE id = 0").fetchone()[0]
         reserved = conn.execute("SELECT COALESCE(SUM(bytes), 0) FROM reservations").fetchone()[0]
         return int(entries), int(reserved)
 
@@ -1213,7 +1276,7 @@ class Store:
         with self._lock:
             conn = self._connect()
             n, nbytes = conn.execute(
-                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries"
+                "SELECT entries, bytes FROM totals WHERE id = 0"
             ).fetchone()
             k, reserved = conn.execute(
                 "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM reservations"
@@ -1341,7 +1404,7 @@ class Store:
                         evicted = made
                         report.fixed.append(f"evicted {len(made)} entries to fit the limit")
             n, nbytes = conn.execute(
-                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries"
+                "SELECT entries, bytes FROM totals WHERE id = 0"
             ).fetchone()
             report.entries, report.bytes = int(n), int(nbytes)
         self._mem.clear()  # rows may have been dropped: read them again

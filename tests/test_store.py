@@ -514,3 +514,43 @@ def test_threads_share_one_store(tmp_path):
     assert errors == []
     assert store.stats()["bytes"] <= 500 and store.stats()["reserved"] == 0
     assert store.check().ok
+
+
+def test_an_index_of_format_1_is_migrated_and_keeps_its_entries(tmp_path):
+    import sqlite3
+
+    from shardcache.store import FORMAT_VERSION, INDEX_NAME
+
+    url = "http://h/old.tar"
+    key = Store(tmp_path).key(url)
+    (tmp_path / key).write_bytes(b"12345")
+    (tmp_path / INDEX_NAME).unlink(missing_ok=True)
+    for extra in ("-wal", "-shm"):
+        (tmp_path / (INDEX_NAME + extra)).unlink(missing_ok=True)
+    conn = sqlite3.connect(tmp_path / INDEX_NAME)
+    conn.executescript(
+        """CREATE TABLE entries (key TEXT PRIMARY KEY, url TEXT NOT NULL, size INTEGER NOT NULL,
+        etag TEXT, last_modified TEXT, content_type TEXT, created REAL NOT NULL,
+        last_access REAL NOT NULL, hits INTEGER NOT NULL DEFAULT 0);
+        CREATE TABLE reservations (name TEXT PRIMARY KEY, key TEXT NOT NULL, url TEXT NOT NULL,
+        pid INTEGER NOT NULL, host TEXT NOT NULL, created REAL NOT NULL, expected INTEGER,
+        bytes INTEGER NOT NULL);"""
+    )
+    conn.execute(
+        "INSERT INTO entries VALUES (?, ?, 5, '\"e\"', NULL, NULL, 100.0, 200.0, 7)", (key, url)
+    )
+    conn.commit()
+    conn.close()
+    store = Store(tmp_path)
+    entry = store.lookup(url)
+    assert (entry.size, entry.hits, entry.validated) == (5, 7, 100.0)  # validated := created
+    st = store.stats()
+    assert (st["entries"], st["bytes"]) == (1, 5)  # totals filled from the old rows
+    with sqlite3.connect(tmp_path / INDEX_NAME) as c:
+        assert c.execute("PRAGMA user_version").fetchone()[0] == FORMAT_VERSION
+    partial = store.begin("http://h/new.tar", 3)
+    partial.path.write_bytes(b"abc")
+    store.commit(partial, 3)
+    store.remove(url)
+    st = store.stats()
+    assert (st["entries"], st["bytes"]) == (1, 3)  # kept by the triggers
