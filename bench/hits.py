@@ -252,6 +252,27 @@ def serve_help_lists(python: str, flag: str) -> bool:
     return flag in out.stdout
 
 
+def group_pss_kib(pid: int) -> int:
+    """Summed Pss (shared pages divided among their processes) of ``pid``'s process group,
+    KiB: memory of several worker processes without counting shared pages twice."""
+    total = 0
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pid:
+                continue
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
 def group_rss_kib(pid: int) -> tuple[int, int]:
     """(VmRSS of ``pid``, summed VmRSS of every process in its process group), KiB."""
 
@@ -643,6 +664,7 @@ def bench(args: argparse.Namespace, tmp: Path, procs: Procs) -> dict:
             res["rss"]["shardcache"] = {
                 "vmrss_kib": own,
                 "group_kib": group,
+                "group_pss_kib": group_pss_kib(sc.pid),  # type: ignore[arg-type]
                 "peak_during_random_kib": max(w.get("peak_rss_kib", 0) for w in runs["shardcache"]),
             }
             res["rss"]["nginx"] = {"group_kib": group_rss_kib(ngx.pid)[1]}  # type: ignore[arg-type]
@@ -787,10 +809,11 @@ def table(res: dict, args: argparse.Namespace) -> list[list[str]]:
     rss = res["rss"]["shardcache"]
     # every process of the proxy: with --workers, the parent and its workers
     mb = max(rss["vmrss_kib"], rss.get("group_kib", 0)) * KIB / 1e6
+    pss = rss.get("group_pss_kib", 0) * KIB / 1e6
     rows.append(
         [
             "4 proxy RSS after the random hits (all processes)",
-            f"{mb:.0f} MB (peak of the main process "
+            f"{mb:.0f} MB (Pss {pss:.0f} MB; peak of the main process "
             f"{rss['peak_during_random_kib'] * KIB / 1e6:.0f} MB)",
             f"{res['rss']['nginx']['group_kib'] * KIB / 1e6:.0f} MB (all processes)",
             "",

@@ -95,6 +95,8 @@ ADMIN_ROUTES = {
     "/-/cache": "DELETE",
 }
 MAX_PREFETCH = 100_000
+MEMO_ENTRIES = 100_000  # entries kept in memory for hits, shared out among the workers
+RAM_TIER_BYTES = 64 << 20  # small entries' bytes kept in RAM, shared out among the workers
 DEFAULT_TYPE = "application/octet-stream"
 
 
@@ -155,7 +157,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         m.evicted_bytes.inc(entry.size)
 
     def open_store() -> tuple[Store, StoreWriteError | None]:
-        st = Store(s.cache_dir, s.cache_size, s.eviction, on_evict, min_free=s.min_free)  # type: ignore[arg-type]
+        st = Store(
+            s.cache_dir,
+            s.cache_size,
+            s.eviction,
+            on_evict,  # type: ignore[arg-type]
+            min_free=s.min_free,
+            memo_entries=MEMO_ENTRIES // s.workers,  # the bounds are per proxy, not per worker
+        )
         try:
             st.check_writable()  # StoreUnusable (exit 2) before listening
         except StoreUnusable as exc:
@@ -188,7 +197,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     app[STORE] = store
     app[FETCHER] = fetcher
     app[HEALTH] = health
-    app[HITS] = HitTier(store)
+    app[HITS] = HitTier(store, max_bytes=RAM_TIER_BYTES // s.workers)
     app[INFLIGHT] = Inflight(store, fetcher, m, cache_size=store.cache_size, health=health)
     app[RUNTIME]["revalidating"] = {}
     background = asyncio.get_running_loop().create_task(health.run(), name="store health")

@@ -21,6 +21,7 @@ from shardcache.store import Entry, Store
 __all__ = ["HitTier"]
 
 Stamp = tuple[int, int, int]
+ITEM_OVERHEAD = 200  # bytes of Python objects per RAM item beyond its data, for the bound
 
 
 def _stamp(st: os.stat_result) -> Stamp:
@@ -50,7 +51,7 @@ class HitTier:
     def _drop(self, key: str) -> None:
         item = self._ram.pop(key, None)
         if item is not None:
-            self._bytes -= len(item[1])
+            self._bytes -= len(item[1]) + ITEM_OVERHEAD
 
     def small(self, entry: Entry) -> bytes | None:
         """The RAM copy of ``entry`` if it is still the file on disk, else None."""
@@ -92,10 +93,10 @@ class HitTier:
         stamp, data = got
         self._drop(entry.key)
         self._ram[entry.key] = (stamp, data)
-        self._bytes += len(data)
+        self._bytes += len(data) + ITEM_OVERHEAD
         while self._bytes > self.max_bytes and self._ram:
             _, (_, old) = self._ram.popitem(last=False)
-            self._bytes -= len(old)
+            self._bytes -= len(old) + ITEM_OVERHEAD
         return data
 
     def open(self, entry: Entry) -> IO[bytes] | None:

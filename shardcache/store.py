@@ -50,6 +50,7 @@ import re
 import secrets
 import socket
 import sqlite3
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -298,6 +299,64 @@ def disk_full(exc: BaseException) -> StoreWriteError | None:
     return None
 
 
+class _Memo:
+    """What hits need of the entries this process has seen, compactly: key -> a tuple of
+    the row, at most ``limit`` keys (the least recently stored dropped first). An
+    :class:`Entry` is made from it on each lookup."""
+
+    def __init__(self, cache_dir: Path, limit: int) -> None:
+        self.cache_dir = cache_dir
+        self.limit = limit
+        self._rows: dict[str, tuple] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def get(self, key: str) -> Entry | None:
+        row = self._rows.get(key)
+        if row is None:
+            return None
+        url, size, etag, lm, ctype, created, last_access, hits, validated = row
+        return Entry(
+            key,
+            url,
+            self.cache_dir / key,
+            size,
+            etag,
+            lm,
+            ctype,
+            created,
+            last_access,
+            hits,
+            validated,
+        )
+
+    def put(self, entry: Entry) -> None:
+        if self.limit <= 0:
+            return
+        rows = self._rows
+        rows.pop(entry.key, None)
+        rows[entry.key] = (
+            entry.url,
+            entry.size,
+            entry.etag,
+            None if entry.last_modified is None else sys.intern(entry.last_modified),
+            None if entry.content_type is None else sys.intern(entry.content_type),
+            entry.created,
+            entry.last_access,
+            entry.hits,
+            entry.validated,
+        )
+        while len(rows) > self.limit:
+            del rows[next(iter(rows))]
+
+    def pop(self, key: str, default: object = None) -> None:
+        self._rows.pop(key, None)
+
+    def clear(self) -> None:
+        self._rows.clear()
+
+
 class _Indexed(NamedTuple):
     url: str
     size: int
@@ -456,6 +515,7 @@ class Store:
         *,
         reconcile: bool = True,
         min_free: int | float | None = None,
+        memo_entries: int = 100_000,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {policy!r}; expected one of {POLICIES}")
@@ -475,7 +535,7 @@ class Store:
         self._pid = -1
         self._readers = threading.local()
         # what a hit needs, in memory: key -> Entry (this process's view of the index)
-        self._mem: dict[str, Entry] = {}
+        self._mem = _Memo(self.cache_dir, memo_entries)
         # accesses not yet in the index: key -> [last_access, hits to add, validated or 0]
         self._touched: dict[str, list] = {}
         self._touch_lock = threading.Lock()
@@ -778,7 +838,7 @@ class Store:
         if row is None:
             return None
         entry = self._row_to_entry(row)
-        self._mem[key] = entry
+        self._mem.put(entry)
         return entry
 
     def forget(self, key: str) -> None:
@@ -805,8 +865,8 @@ class Store:
             rec = self._touched.setdefault(entry.key, [entry.last_access, 0, 0.0])
             rec[2] = now
         fresh = dataclasses.replace(entry, validated=now)
-        if self._mem.get(entry.key) is entry:
-            self._mem[entry.key] = fresh
+        if self._mem.get(entry.key) is not None:
+            self._mem.put(fresh)
         return fresh
 
     def pending_access(self) -> int:
@@ -1198,7 +1258,7 @@ class Store:
             hits=0,
             validated=now,
         )
-        self._mem[partial.key] = entry
+        self._mem.put(entry)
         with self._touch_lock:
             self._touched.pop(partial.key, None)  # accesses of a replaced entry
         return entry
@@ -1275,9 +1335,7 @@ class Store:
         """Totals: entries, bytes, reserved, limit, downloads (in progress, all processes)."""
         with self._lock:
             conn = self._connect()
-            n, nbytes = conn.execute(
-                "SELECT entries, bytes FROM totals WHERE id = 0"
-            ).fetchone()
+            n, nbytes = conn.execute("SELECT entries, bytes FROM totals WHERE id = 0").fetchone()
             k, reserved = conn.execute(
                 "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM reservations"
             ).fetchone()
@@ -1403,9 +1461,7 @@ class Store:
                     if made is not None:
                         evicted = made
                         report.fixed.append(f"evicted {len(made)} entries to fit the limit")
-            n, nbytes = conn.execute(
-                "SELECT entries, bytes FROM totals WHERE id = 0"
-            ).fetchone()
+            n, nbytes = conn.execute("SELECT entries, bytes FROM totals WHERE id = 0").fetchone()
             report.entries, report.bytes = int(n), int(nbytes)
         self._mem.clear()  # rows may have been dropped: read them again
         for path in to_unlink:
