@@ -122,10 +122,8 @@ class ProxyMetrics:
         # what /metrics and the totals read: this registry, or every worker's values
         self.exposed = r
         if multiprocess():
-            from prometheus_client import multiprocess as mp
-
             self.exposed = CollectorRegistry()
-            mp.MultiProcessCollector(self.exposed)
+            _workers_collector(self.exposed)
 
     def observe_upstream(self, outcome: str) -> None:
         self.upstream_requests.labels(outcome=outcome).inc()
@@ -157,3 +155,26 @@ class ProxyMetrics:
 def multiprocess() -> bool:
     """Whether metric values are shared between worker processes."""
     return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
+def _workers_collector(registry: CollectorRegistry) -> object:
+    """Register, in ``registry``, a collector of every worker's values."""
+    from prometheus_client import multiprocess as mp
+
+    class WorkersCollector(mp.MultiProcessCollector):
+        """Every worker's values; a file a starting worker has just created (still empty)
+        is skipped instead of failing the whole scrape."""
+
+        def collect(self):  # type: ignore[no-untyped-def]
+            import glob
+
+            files = []
+            for name in glob.glob(os.path.join(self._path, "*.db")):
+                try:
+                    if os.path.getsize(name) >= 8:  # the used-bytes header, at least
+                        files.append(name)
+                except OSError:
+                    continue  # removed meanwhile (a dead worker's live gauges)
+            return self.merge(files, accumulate=True)
+
+    return WorkersCollector(registry)
