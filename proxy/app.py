@@ -96,7 +96,7 @@ ADMIN_ROUTES = {
 }
 MAX_PREFETCH = 100_000
 MEMO_ENTRIES = 100_000  # entries kept in memory for hits, shared out among the workers
-RAM_TIER_BYTES = 64 << 20  # small entries' bytes kept in RAM, shared out among the workers
+RAM_TIER_BYTES = 32 << 20  # small entries' bytes kept in RAM, shared out among the workers
 DEFAULT_TYPE = "application/octet-stream"
 
 
@@ -564,7 +564,7 @@ async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse |
     if tier.cacheable(entry):
         data = tier.small(entry)
         if data is None:
-            data = await tier.load(entry)
+            data = tier.load(entry)
             if data is None:
                 return None
         store.touch(entry)
