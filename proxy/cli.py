@@ -51,6 +51,21 @@ def _serve_command(args: argparse.Namespace) -> int:
     return serve(settings)
 
 
+def _limit_malloc_arenas() -> None:
+    """Two glibc malloc arenas instead of up to eight per core: every pool thread that
+    receives upstream bytes in 1 MiB batches otherwise gets an arena of its own that
+    keeps freed batches, and the proxy's RSS grows with the number of threads rather
+    than with what it holds. Left alone when MALLOC_ARENA_MAX is set."""
+    if not sys.platform.startswith("linux") or "MALLOC_ARENA_MAX" in os.environ:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-8, 2)  # M_ARENA_MAX
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def serve(settings: Settings) -> int:
     """Run the proxy until SIGTERM/SIGINT; then drain for the grace period and exit 0.
 
@@ -61,6 +76,7 @@ def serve(settings: Settings) -> int:
     Exit code 2, before listening, when the settings or the cache directory cannot be
     used (the message names the flag, or the path, the uid and what to do).
     """
+    _limit_malloc_arenas()
     if settings.workers > 1:
         from proxy.workers import serve_workers
 
