@@ -252,41 +252,9 @@ def serve_help_lists(python: str, flag: str) -> bool:
     return flag in out.stdout
 
 
-def group_pss_kib(pid: int) -> int:
-    """Summed Pss (shared pages divided among their processes) of ``pid``'s process group,
-    KiB: memory of several worker processes without counting shared pages twice."""
-    total = 0
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) != pid:
-                continue
-            with open(f"/proc/{p}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        total += int(line.split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    return total
-
-
-def group_rss_kib(pid: int) -> tuple[int, int]:
-    """(VmRSS of ``pid``, summed VmRSS of every process in its process group), KiB."""
-
-    def rss(p: str) -> int:
-        try:
-            with open(f"/proc/{p}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1])
-        except OSError:
-            pass
-        return 0
-
-    total = 0
+def _group(pid: int) -> list[str]:
+    """The pids (as /proc names) of every process in ``pid``'s process group."""
+    out = []
     for p in os.listdir("/proc"):
         if not p.isdigit():
             continue
@@ -294,10 +262,34 @@ def group_rss_kib(pid: int) -> tuple[int, int]:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             if int(fields[2]) == pid:  # field 5, pgrp
-                total += rss(p)
+                out.append(p)
         except (OSError, IndexError, ValueError):
             continue
-    return rss(str(pid)), total
+    return out
+
+
+def _status_kib(path: str, field: str) -> int:
+    """A ``Field:   N kB`` line of a /proc file, in KiB (0 when the process is gone)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def group_pss_kib(pid: int) -> int:
+    """Summed Pss (shared pages divided among their processes) of ``pid``'s process group,
+    KiB: memory of several worker processes without counting shared pages twice."""
+    return sum(_status_kib(f"/proc/{p}/smaps_rollup", "Pss:") for p in _group(pid))
+
+
+def group_rss_kib(pid: int) -> tuple[int, int]:
+    """(VmRSS of ``pid``, summed VmRSS of every process in its process group), KiB."""
+    total = sum(_status_kib(f"/proc/{p}/status", "VmRSS:") for p in _group(pid))
+    return _status_kib(f"/proc/{pid}/status", "VmRSS:"), total
 
 
 # ---------------------------------------------------------------------------------------

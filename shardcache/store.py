@@ -709,21 +709,16 @@ class Store:
         """One write transaction (BEGIN IMMEDIATE): serialised across processes."""
         with self._lock:
             conn = self._connect()
-            index = self.cache_dir / INDEX_NAME
             try:
                 conn.execute("BEGIN IMMEDIATE")
             except sqlite3.Error as exc:
-                raise store_write_error("index", index, exc) or CacheError(
-                    f"{self.cache_dir}: cannot lock index: {exc}"
-                ) from exc
+                raise self._index_error(exc, "cannot lock index") from exc
             try:
                 yield conn
             except sqlite3.Error as exc:
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK")
-                raise store_write_error("index", index, exc) or CacheError(
-                    f"{index}: {exc}"
-                ) from exc
+                raise self._index_error(exc, "index write failed") from exc
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK")
@@ -734,9 +729,12 @@ class Store:
                 except sqlite3.Error as exc:
                     with contextlib.suppress(sqlite3.Error):
                         conn.execute("ROLLBACK")
-                    raise store_write_error("index", index, exc) or CacheError(
-                        f"{self.cache_dir}: index commit failed: {exc}"
-                    ) from exc
+                    raise self._index_error(exc, "index commit failed") from exc
+
+    def _index_error(self, exc: sqlite3.Error, what: str) -> CacheError:
+        """A refused write (disk full, read-only) as StoreWriteError, else CacheError."""
+        index = self.cache_dir / INDEX_NAME
+        return store_write_error("index", index, exc) or CacheError(f"{index}: {what}: {exc}")
 
     def close(self) -> None:
         """Record pending accesses, then close the index connection (the store reopens it
