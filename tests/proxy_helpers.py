@@ -205,6 +205,8 @@ class ProxyProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"proxy exited {self.proc.returncode}:\n{text}")
             time.sleep(0.05)
+        self.proc.kill()  # never leave a proxy running behind a failed start
+        self.proc.wait(10)
         raise RuntimeError(f"proxy did not start:\n{self.log_text()}")
 
     def log_text(self) -> str:
