@@ -33,7 +33,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 from proxy_helpers import Origin
-from test_store_trust import Rig, fill, parts, stats
+from store_faults import Rig, fill
+from test_store_trust import parts, stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -270,12 +271,6 @@ def expected(c: Client, data: bytes) -> bytes:
 
 # --- the scenario ------------------------------------------------------------------------
 
-
-@pytest.fixture
-def rig(tmp_path):
-    r = Rig(tmp_path)
-    yield r
-    r.close()
 
 
 @pytest.fixture

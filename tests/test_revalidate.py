@@ -16,8 +16,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ from dataclasses import dataclass
 import pytest
 from aiohttp import web
 from proxy_helpers import Origin, ProxyProcess
+from store_faults import run_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -195,27 +194,6 @@ def settle(port: int, timeout: float = 15) -> dict:
         if time.monotonic() > deadline:
             raise AssertionError(f"downloads did not finish: {st}")
         time.sleep(0.02)
-
-
-def run_serve(*args: str, timeout: float = 30) -> tuple[int | None, str, bool]:
-    """``shardcache serve`` expected to fail at startup: (rc, output, started listening)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shardcache", "serve", "--port", "0", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    out: list[bytes] = []
-    reader = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)
-    reader.start()
-    try:
-        rc: int | None = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-        rc = None
-    reader.join(10)
-    text = b"".join(out).decode(errors="replace")
-    return rc, text, "serving on" in text
 
 
 def assert_revalidated(seen: list[Seen], etag: str, status: int) -> None:

@@ -10,23 +10,21 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import errno
 import hashlib
 import http.client
 import json
 import os
 import re
 import shutil
-import signal
 import sqlite3
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from proxy_helpers import Fault, Origin, ProxyProcess
+from proxy_helpers import Fault, Origin
+from store_faults import fill, run_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -36,62 +34,6 @@ INDEX = ".shardcache.sqlite"
 
 
 # --- fixtures and helpers --------------------------------------------------------------
-
-
-class Rig:
-    """Mounts and proxies of one test; the teardown kills the proxies before it unmounts."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.tmp_path = tmp_path
-        self.mounts: list[Path] = []
-        self.proxies: list[ProxyProcess] = []
-        self.immutable: list[Path] = []
-
-    def mount_tmpfs(self, name: str, options: str) -> Path:
-        if os.geteuid() != 0:
-            pytest.skip("mounting a tmpfs needs root")
-        if shutil.which("mount") is None:
-            pytest.skip("no mount command")
-        where = self.tmp_path / name
-        where.mkdir()
-        res = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        if res.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip() or res.returncode}")
-        self.mounts.append(where)
-        return where
-
-    def proxy(self, cache_dir: Path, *args: str, env: dict[str, str] | None = None):
-        p = ProxyProcess(cache_dir, *args, env=env)
-        p.log_path = self.tmp_path / f"proxy-{len(self.proxies)}.log"  # never on the tmpfs
-        self.proxies.append(p)
-        return p.start()
-
-    def close(self) -> None:
-        for p in self.proxies:
-            with contextlib.suppress(Exception):
-                p.stop(signal.SIGKILL)
-        for f in self.immutable:
-            subprocess.run(["chattr", "-i", str(f)], capture_output=True, timeout=30)
-        for where in reversed(self.mounts):
-            for _ in range(50):
-                res = subprocess.run(["umount", str(where)], capture_output=True, timeout=30)
-                if res.returncode == 0:
-                    break
-                time.sleep(0.1)
-            else:
-                subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
-
-
-@pytest.fixture
-def rig(tmp_path):
-    r = Rig(tmp_path)
-    yield r
-    r.close()
 
 
 @pytest.fixture
@@ -183,28 +125,6 @@ def free_bytes(path: Path) -> int:
     return s.f_bavail * s.f_frsize
 
 
-def fill(path: Path) -> int:
-    """Append to ``path`` until the filesystem says ENOSPC; return the bytes written."""
-    written = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        for size in (MiB, 64 * KiB, 4 * KiB, 512, 1):
-            block = b"\0" * size
-            while True:
-                try:
-                    n = os.write(fd, block)
-                except OSError as exc:
-                    if exc.errno != errno.ENOSPC:
-                        raise
-                    break
-                written += n
-                if n < size:
-                    break
-    finally:
-        os.close(fd)
-    return written
-
-
 def sample_value(text: str, name: str, **labels: str) -> list[float]:
     """Values of the samples of ``name`` whose labels include ``labels`` (any order)."""
     out = []
@@ -218,29 +138,6 @@ def sample_value(text: str, name: str, **labels: str) -> list[float]:
     return out
 
 
-def run_serve(*args: str, timeout: float = 30, env: dict[str, str] | None = None):
-    """``shardcache serve`` that is expected to fail at startup: (rc, output, served).
-
-    If it starts listening instead, it is killed and ``served`` is True."""
-    cmd = [sys.executable, "-m", "shardcache", "serve", "--port", "0", *args]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=dict(os.environ, **(env or {})),
-    )
-    out: list[bytes] = []
-    reader = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)
-    reader.start()
-    try:
-        rc = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-        rc = None
-    reader.join(10)
-    text = b"".join(out).decode(errors="replace")
-    return rc, text, "serving on" in text
 
 
 # --- A: a full disk turns caching into pass-through -------------------------------------

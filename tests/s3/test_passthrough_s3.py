@@ -25,6 +25,7 @@ import pytest
 from conftest import BUCKET
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from store_faults import fill  # noqa: E402
 from test_passthrough import (  # noqa: E402
     CLIENT_TIMEOUT,
     Client,
@@ -35,7 +36,6 @@ from test_passthrough import (  # noqa: E402
     part_size_now,
     wait_for,
 )
-from test_store_trust import Rig, fill  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -135,12 +135,6 @@ def _proxy_env(seaweed, tmp: Path) -> dict[str, str]:
     )
     return env
 
-
-@pytest.fixture
-def rig(tmp_path):
-    r = Rig(tmp_path)
-    yield r
-    r.close()
 
 
 @pytest.fixture
