@@ -18,11 +18,16 @@ boundary (``raise GopenError(...) from exc``) so callers catch one family::
     └── ProxyError                                        -- carries the HTTP status to answer with
         ├── BadRequest (400) / Forbidden (403) / NotFound (404)
         ├── MethodNotAllowed (405) / RangeNotSatisfiable (416)
-        └── UpstreamError (502)
-            └── UpstreamTimeout (504)
+        └── UpstreamError (502)                           -- the upstream failed us
+            ├── UpstreamTimeout (504)
+            ├── UpstreamThrottled (503)                   -- overloaded; retried with backoff
+            ├── UpstreamCut (502)                         -- a body broke off mid-way
+            ├── ObjectChanged (502)                       -- another version answered
+            └── DownloadFailed (502)                      -- the download a client followed
 
 Errors that the proxy turns into responses carry ``status_hint`` (after h11's
-``ProtocolError``), so handlers need no mapping tables.
+``ProtocolError``) and, for the S3 front, ``s3_code``: :func:`error_answer` is the one
+place that turns an error into what a client is told.
 """
 
 from __future__ import annotations
@@ -49,6 +54,11 @@ __all__ = [
     "RangeNotSatisfiable",
     "UpstreamError",
     "UpstreamTimeout",
+    "UpstreamThrottled",
+    "UpstreamCut",
+    "ObjectChanged",
+    "DownloadFailed",
+    "error_answer",
 ]
 
 
@@ -172,9 +182,11 @@ class ConfigError(ShardcacheError, ValueError):
 
 
 class ProxyError(ShardcacheError):
-    """An error the proxy answers with ``status_hint`` and a one-line message."""
+    """An error the proxy answers with ``status_hint`` and a one-line message (and, on
+    the S3 front, ``s3_code``; None: the code of the status, see :func:`error_answer`)."""
 
     status_hint: int = 500
+    s3_code: str | None = None
 
     def __init__(self, message: str, status_hint: int | None = None) -> None:
         super().__init__(message)
@@ -184,27 +196,89 @@ class ProxyError(ShardcacheError):
 
 class BadRequest(ProxyError):
     status_hint = 400
+    s3_code = "InvalidRequest"
 
 
 class Forbidden(ProxyError):
+    """Access refused; also an upstream's 401/403, which refused the proxy's own
+    credentials (not the client's), so the client is never asked to authenticate."""
+
     status_hint = 403
+    s3_code = "AccessDenied"
 
 
 class NotFound(ProxyError):
     status_hint = 404
+    s3_code = "NoSuchKey"
 
 
 class MethodNotAllowed(ProxyError):
     status_hint = 405
+    s3_code = "MethodNotAllowed"
 
 
 class RangeNotSatisfiable(ProxyError):
     status_hint = 416
+    s3_code = "InvalidRange"
 
 
 class UpstreamError(ProxyError):
     status_hint = 502
+    s3_code = "InternalError"  # S3 clients retry it, as they should a bad gateway
 
 
 class UpstreamTimeout(UpstreamError):
     status_hint = 504
+    s3_code = "RequestTimeout"
+
+
+class UpstreamThrottled(UpstreamError):
+    """The upstream is overloaded (429, 503, S3 SlowDown): retried with backoff, then
+    answered 503 so the client backs off too."""
+
+    status_hint = 503
+    s3_code = "SlowDown"
+
+
+class UpstreamCut(UpstreamError):
+    """An upstream body broke off (reset, timeout, bad framing, fewer bytes than
+    promised). A download resumes after it when the version can be pinned."""
+
+
+class ObjectChanged(UpstreamError):
+    """Another version of the object answered (412, or a different ETag, Last-Modified or
+    size): bytes of two versions are never joined."""
+
+
+class DownloadFailed(UpstreamError):
+    """The download a client was following failed; a response already started must be
+    aborted, never ended cleanly."""
+
+    def __init__(self, url: str, cause: BaseException | None) -> None:
+        self.url = url
+        self.cause = cause
+        super().__init__(f"{url}: download failed: {cause}")
+
+    def __reduce__(self):
+        return (type(self), (self.url, self.cause))
+
+
+_S3_CODES = {
+    400: "InvalidRequest",
+    401: "AccessDenied",
+    403: "AccessDenied",
+    404: "NoSuchKey",
+    405: "MethodNotAllowed",
+    412: "PreconditionFailed",
+    416: "InvalidRange",
+    501: "NotImplemented",
+    503: "ServiceUnavailable",
+    504: "RequestTimeout",
+}
+
+
+def error_answer(exc: ProxyError) -> tuple[int, str]:
+    """What a client is told about ``exc``: the HTTP status and the S3 error code."""
+    status = exc.status_hint
+    code = type(exc).s3_code if status == type(exc).status_hint else None
+    return status, code or _S3_CODES.get(status, "InternalError")

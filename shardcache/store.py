@@ -65,6 +65,7 @@ from shardcache.errors import (
     StoreUnusable,
     StoreWriteError,
 )
+from shardcache.meta import ObjectMeta
 from shardcache.urls import shard_uuid
 
 __all__ = [
@@ -172,6 +173,16 @@ class Entry:
     last_access: float
     hits: int
     validated: float = 0.0  # when the upstream last confirmed these bytes (created, or a 304)
+
+    @property
+    def meta(self) -> ObjectMeta:
+        """The cached version, in the shape the upstream layer speaks."""
+        return ObjectMeta(
+            size=self.size,
+            etag=self.etag,
+            last_modified=self.last_modified,
+            content_type=self.content_type,
+        )
 
 
 @dataclass
@@ -1172,8 +1183,10 @@ class Store:
         etag: str | None = None,
         last_modified: str | None = None,
         content_type: str | None = None,
+        meta: ObjectMeta | None = None,
     ) -> Entry:
-        """Turn a finished download into an entry.
+        """Turn a finished download into an entry (its version from ``meta`` when given,
+        else from ``etag``, ``last_modified`` and ``content_type``).
 
         Verifies that the ``.part`` file holds exactly ``size`` bytes and, when known,
         ``expected_size``; otherwise deletes it, releases the reservation and raises
@@ -1182,6 +1195,8 @@ class Store:
         releases the reservation. Raises :class:`NoRoomError` (after discarding the
         download) if a download of unknown size turned out too big to keep.
         """
+        if meta is not None:
+            etag, last_modified, content_type = meta.etag, meta.last_modified, meta.content_type
         expected = partial.expected_size if partial.expected_size is not None else size
         actual = self._file_size(partial.path)
         if actual is None or actual != size or size != expected:

@@ -1,0 +1,126 @@
+"""What an upstream says about one object, in one shape from the first response headers
+through a download to the cache entry: :class:`ObjectMeta`.
+
+The validators decide whether two answers are the same version of an object: a strong
+ETag when there is one, else Last-Modified; with neither, two answers cannot be proven to
+be the same version, so nothing may be joined across them.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+__all__ = ["ObjectMeta", "is_strong_etag", "md5_from_headers", "parse_content_range"]
+
+_CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
+
+
+def is_strong_etag(etag: str | None) -> bool:
+    """True for an ETag usable with ``If-Match``/``If-Range`` (present and not weak)."""
+    return bool(etag) and not etag.startswith("W/")  # type: ignore[union-attr]
+
+
+def parse_content_range(value: str | None) -> tuple[int, int, int | None]:
+    """Parse ``bytes first-last/size`` into ``(first, last_inclusive, size or None)``;
+    ValueError naming the value when it is not one."""
+    m = _CONTENT_RANGE.match(value or "")
+    if not m:
+        raise ValueError(f"bad Content-Range {value!r}")
+    first, last = int(m.group(1)), int(m.group(2))
+    size = None if m.group(3) == "*" else int(m.group(3))
+    if last < first or (size is not None and last >= size):
+        raise ValueError(f"bad Content-Range {value!r}")
+    return first, last, size
+
+
+def md5_from_headers(headers: Mapping[str, str]) -> bytes | None:
+    """The MD5 an upstream declared for the body (``Content-MD5``, or GCS's
+    ``x-goog-hash: md5=``), or None."""
+    value = headers.get("Content-MD5")
+    if not value:
+        for part in (headers.get("x-goog-hash") or "").split(","):
+            k, _, v = part.strip().partition("=")
+            if k == "md5":
+                value = v
+    if not value:
+        return None
+    try:
+        digest = base64.b64decode(value.strip(), validate=True)
+    except ValueError:
+        return None
+    return digest if len(digest) == 16 else None
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectMeta:
+    """One version of one object: its size (None while unknown), validators and type."""
+
+    size: int | None
+    etag: str | None = None
+    last_modified: str | None = None  # an HTTP-date, as the upstream sent it
+    content_type: str | None = None
+    md5: bytes | None = None  # declared digest of the whole body, verified when present
+    cache_control: str | None = None
+    accept_ranges: bool = False
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str], status: int = 200) -> ObjectMeta:
+        """The object described by a response's headers: a 200's Content-Length is the
+        size (None when chunked or close-delimited), a 206's size is the total of its
+        Content-Range. The digest is kept only from a 200 (it covers the whole body)."""
+        size: int | None = None
+        if status == 206:
+            try:
+                size = parse_content_range(headers.get("Content-Range"))[2]
+            except ValueError:
+                size = None
+        else:
+            length = headers.get("Content-Length")
+            chunked = "chunked" in (headers.get("Transfer-Encoding") or "").lower()
+            if length is not None and length.strip().isdigit() and not chunked:
+                size = int(length)
+        return cls(
+            size=size,
+            etag=headers.get("ETag"),
+            last_modified=headers.get("Last-Modified"),
+            content_type=headers.get("Content-Type"),
+            md5=md5_from_headers(headers) if status == 200 else None,
+            cache_control=headers.get("Cache-Control"),
+            accept_ranges="bytes" in (headers.get("Accept-Ranges") or "").lower(),
+        )
+
+    @property
+    def strong_etag(self) -> str | None:
+        return self.etag if is_strong_etag(self.etag) else None
+
+    @property
+    def validator(self) -> str | None:
+        """What pins this version in ``If-Range``: the strong ETag, else Last-Modified."""
+        return self.strong_etag or self.last_modified
+
+    def same_version(self, other: ObjectMeta) -> bool:
+        """Whether ``other`` (another answer's metadata) is provably this version: equal
+        strong ETags, or (with no ETag here) equal Last-Modified; and no size contradiction.
+        False when this version has no validator: nothing proves it."""
+        if self.size is not None and other.size is not None and self.size != other.size:
+            return False
+        if self.strong_etag is not None:
+            return other.etag == self.strong_etag
+        if self.etag is not None and other.etag is not None and other.etag != self.etag:
+            return False  # a weak ETag that changed says the version changed
+        return self.last_modified is not None and other.last_modified == self.last_modified
+
+    def with_size(self, size: int) -> ObjectMeta:
+        return replace(self, size=size)
+
+    def headers(self) -> dict[str, str]:
+        """Response headers naming this version (ETag, Last-Modified)."""
+        h: dict[str, str] = {}
+        if self.etag:
+            h["ETag"] = self.etag
+        if self.last_modified:
+            h["Last-Modified"] = self.last_modified
+        return h
