@@ -21,9 +21,8 @@ from braceexpand import braceexpand
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from proxy.config import Settings
-from proxy.fetch import Fetcher, UpstreamBody
 from proxy.hits import HitTier
-from proxy.inflight import Download, DownloadFailed, Inflight
+from proxy.inflight import Download, DownloadFailed, Inflight, State
 from proxy.metrics import ProxyMetrics
 from proxy.policy import (
     ByteRange,
@@ -34,9 +33,9 @@ from proxy.policy import (
     parse_range,
     range_applies,
 )
-from proxy.s3 import S3Upstream
 from proxy.s3front import S3Front
 from proxy.storehealth import StoreHealth
+from proxy.upstream import Fetcher, ObjectMeta, S3Upstream, UpstreamBody
 from shardcache.errors import (
     BadRequest,
     CacheError,
@@ -192,6 +191,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         part_size=s.part_size,
         parallel=s.parallel,
         http_parts=s.http_parts,
+        threaded=s.http_transport == "threads",
         s3=app[S3_CLIENT],  # type: ignore[arg-type]
     )
     app[STORE] = store
@@ -528,9 +528,7 @@ async def _revalidate(request: web.Request, url: str, entry: Entry) -> Entry | N
 async def _ask_upstream(app: web.Application, url: str, entry: Entry) -> Entry | None:
     m, store = app[METRICS], app[STORE]
     try:
-        result = await app[FETCHER].revalidate(
-            url, etag=entry.etag, last_modified=entry.last_modified, size=entry.size
-        )
+        result = await app[FETCHER].revalidate(url, entry.meta)
     except ProxyError as exc:
         m.revalidations.labels(result="error").inc()
         log.warning("cannot revalidate %s (%s); serving the cached copy", url, exc)
@@ -640,15 +638,16 @@ async def _send_file(
 
 async def _serve_download(request: web.Request, dl: Download, cache: str) -> web.StreamResponse:
     await dl.wait_headers()
-    if dl.state == "bypass":
+    if dl.state is State.BYPASS:
         return await _serve_bypass(request, dl.url, dl)
-    headers = _base_headers(cache, dl.etag, dl.last_modified)
+    meta = dl.meta
+    headers = _base_headers(cache, meta.etag, meta.last_modified)
     size = dl.known_size
-    cond, brange = _plan(request, size, dl.etag, dl.last_modified)
+    cond, brange = _plan(request, size, meta.etag, meta.last_modified)
     if cond is not None:
         return _not_modified(cond, headers)
     resp = web.StreamResponse(headers=headers)
-    _prepare_headers(resp, size, brange, dl.content_type)
+    _prepare_headers(resp, size, brange, meta.content_type)
     request[T_RESP] = resp
     await resp.prepare(request)
     if request.method == "HEAD":
@@ -692,7 +691,7 @@ async def _serve_bypass(
     if request.method == "GET" or dl is None:
         body = (dl.take_bypass_body() if dl is not None else None) or await fetcher.open(url)
     try:
-        meta: Any = body if body is not None else dl
+        meta: ObjectMeta = body.meta if body is not None else dl.meta  # type: ignore[union-attr]
         headers = _base_headers("BYPASS", meta.etag, meta.last_modified)
         if meta.cache_control:
             headers["Cache-Control"] = meta.cache_control
@@ -882,7 +881,7 @@ async def _run_prefetch(app: web.Application, urls: list[str]) -> None:
                 body = dl.take_bypass_body()
                 if body is not None:
                     body.close()
-                done["ok" if dl.state == "done" else "failed"] += 1
+                done["ok" if dl.state is State.DONE else "failed"] += 1
             finally:
                 dl.release()
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from proxy.policy import Upstream, parse_min_free, parse_revalidate, parse_size
-from proxy.s3 import parse_s3_url
+from proxy.upstream.s3 import parse_s3_url
 from shardcache.errors import BadRequest, ConfigError
 
 __all__ = ["Settings", "add_serve_arguments", "settings_from_args", "parse_settings", "ENV_PREFIX"]
@@ -52,6 +52,7 @@ class Settings:
     part_size: int = 8 * 1024 * 1024
     parallel: int = 8
     http_parts: bool = False
+    http_transport: str = "threads"
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_profile: str | None = None
@@ -112,6 +113,12 @@ _OPTIONS: tuple[tuple[str, str, str], ...] = (
         "http_parts",
         "on: also fetch large http(s) shards in parallel ranged parts (s3:// always are); "
         "for origins that limit each connection (default off)",
+    ),
+    (
+        "--http-transport",
+        "http_transport",
+        "how one http(s) stream is received: threads (blocking sockets in worker threads, "
+        "spliced into the file) or aiohttp (on the event loop) (default threads)",
     ),
     (
         "--s3-endpoint-url",
@@ -299,6 +306,10 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
             kw["http_parts"] = False
         else:
             raise ConfigError("--http-parts", f"must be on or off (got {v!r})")
+    if (v := get("http_transport")) is not None:
+        if v.lower() not in ("threads", "aiohttp"):
+            raise ConfigError("--http-transport", f"must be threads or aiohttp (got {v!r})")
+        kw["http_transport"] = v.lower()
     if (v := get("s3_endpoint_url")) is not None:
         ep = urlsplit(v)
         if ep.scheme not in ("http", "https") or not ep.hostname:

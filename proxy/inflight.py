@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import hashlib
 import logging
 import os
@@ -38,14 +39,21 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from proxy.fetch import Fetcher, UpstreamBody
 from proxy.metrics import ProxyMetrics
 from proxy.policy import cache_control_forbids, should_admit
 from proxy.storehealth import StoreHealth
-from shardcache.errors import CacheError, IncompleteDownloadError, ProxyError, UpstreamError
+from proxy.upstream import Fetcher, UpstreamBody
+from shardcache.errors import (
+    CacheError,
+    DownloadFailed,
+    IncompleteDownloadError,
+    ProxyError,
+    UpstreamError,
+)
+from shardcache.meta import ObjectMeta
 from shardcache.store import Entry, Partial, Store
 
-__all__ = ["Download", "DownloadFailed", "Inflight"]
+__all__ = ["Download", "DownloadFailed", "Inflight", "State"]
 
 log = logging.getLogger(__name__)
 
@@ -54,26 +62,30 @@ READ_CHUNK = 1 << 20
 BYPASS_CLAIM_SECONDS = 30.0
 
 
-class DownloadFailed(Exception):
-    """The download a client was following failed; the client's response must be aborted."""
+class State(enum.Enum):
+    """Where a download is: OPENING -> STREAMING -> DONE | FAILED | PASSTHROUGH, or
+    OPENING -> BYPASS (not cached: its body goes to one client) | FAILED."""
 
-    def __init__(self, url: str, cause: BaseException | None) -> None:
-        self.url = url
-        self.cause = cause
-        super().__init__(f"{url}: download failed: {cause}")
+    OPENING = "opening"
+    STREAMING = "streaming"
+    DONE = "done"
+    FAILED = "failed"
+    BYPASS = "bypass"
+    PASSTHROUGH = "passthrough"
+
+
+_FINISHED = frozenset({State.DONE, State.FAILED, State.BYPASS, State.PASSTHROUGH})
 
 
 class Download:
-    """The shared state of one upstream download. Created by :class:`Inflight`."""
+    """The shared state of one upstream download. Created by :class:`Inflight`, whose
+    task is its producer (the methods under "producer"); clients are its consumers
+    (:meth:`acquire`, the ``wait_*`` methods, :meth:`stream`, :meth:`release`)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
-        # opening -> streaming -> done | failed | passthrough ; opening -> bypass
-        self.state = "opening"
-        self.size: int | None = None
-        self.etag: str | None = None
-        self.last_modified: str | None = None
-        self.content_type: str | None = None
+        self.state = State.OPENING
+        self.meta = ObjectMeta(size=None)
         self.written = 0
         self.verified = False  # all bytes in, length and checksum checked
         self.cached = False  # will become an entry if it completes
@@ -86,58 +98,108 @@ class Download:
         self._bypass_body: UpstreamBody | None = None
         self.bypass_reason = ""
         self.claimed = False  # holds the store's cross-process claim (--workers)
-        self.cache_control: str | None = None
         self.task: asyncio.Task | None = None
         # passthrough: reads bytes [start, end) of this version from the upstream
         self._upstream_range: Callable[[int, int | None], Any] | None = None
 
-    # -- notification --------------------------------------------------------------------
+    # -- producer ------------------------------------------------------------------------
 
     def _notify(self) -> None:
         ev, self._changed = self._changed, asyncio.Event()
         ev.set()
+
+    def opened(self, meta: ObjectMeta, upstream_range: Callable[[int, int | None], Any]) -> None:
+        """The upstream answered with version ``meta``; ``upstream_range(start, end)``
+        reads bytes of that version from the upstream (for passthrough)."""
+        self.meta = meta
+        self._upstream_range = upstream_range
+
+    def to_bypass(self, body: UpstreamBody, reason: str) -> None:
+        """Not cached: ``body`` goes to the first client that asks for it."""
+        self._bypass_body = body
+        self.bypass_reason = reason
+        self.state = State.BYPASS
+        self._notify()
+
+    def to_streaming(self, read_fd: int) -> None:
+        """Bytes start arriving in the partial file, readable through ``read_fd``."""
+        self._read_fd = read_fd
+        self.state = State.STREAMING
+        self._notify()
+
+    def wrote(self, n: int) -> None:
+        self.written += n
+        self._notify()
+
+    def all_verified(self) -> None:
+        """Every byte is in the file, its count (and digest) checked."""
+        self.verified = True
+        self._notify()
+
+    def to_passthrough(self, error: BaseException) -> None:
+        """The store gave up mid-download: clients continue from the upstream."""
+        self.cached = False
+        self.error = error
+        self.state = State.PASSTHROUGH
+        self._notify()
+
+    def to_done(self, entry: Entry | None) -> None:
+        self.entry = entry
+        self.state = State.DONE
+        self._notify()
+
+    def to_failed(self, error: BaseException) -> None:
+        """Only once the partial file is gone may clients see the failure."""
+        self.error = error
+        self.state = State.FAILED
+        self._notify()
+
+    # -- consumers -----------------------------------------------------------------------
 
     async def _wait(self) -> None:
         await self._changed.wait()
 
     @property
     def known_size(self) -> int | None:
-        """The object's size: from Content-Length, or once every byte is in."""
-        if self.size is not None:
-            return self.size
+        """The object's size: from the upstream's headers, or once every byte is in."""
+        if self.meta.size is not None:
+            return self.meta.size
         return self.written if self.verified else None
 
     @property
     def finished(self) -> bool:
-        return self.state in ("done", "failed", "bypass", "passthrough")
+        return self.state in _FINISHED
 
     async def wait_headers(self) -> None:
         """Wait until the upstream answered; raise its error if it failed before any byte."""
-        while self.state == "opening":
+        while self.state is State.OPENING:
             await self._wait()
-        if self.state == "failed" and self.written == 0 and isinstance(self.error, ProxyError):
+        if self.state is State.FAILED and self.written == 0 and isinstance(self.error, ProxyError):
             raise self.error
-        if self.state == "failed":
+        if self.state is State.FAILED:
             raise DownloadFailed(self.url, self.error)
 
     async def wait_beyond(self, pos: int) -> None:
         """Wait until byte ``pos`` is on disk, or the download ended either way."""
-        while self.written <= pos and self.state in ("opening", "streaming"):
+        while self.written <= pos and self.state in (State.OPENING, State.STREAMING):
             await self._wait()
 
     async def wait_verified(self) -> None:
         """Wait until every byte is in and verified; DownloadFailed otherwise."""
-        while not self.verified and self.state not in ("failed", "bypass", "passthrough"):
+        while not self.verified and self.state not in (
+            State.FAILED,
+            State.BYPASS,
+            State.PASSTHROUGH,
+        ):
             await self._wait()
         if not self.verified:
             raise DownloadFailed(self.url, self.error)
 
     async def wait_settled(self) -> None:
-        """Wait until every byte is verified and the entry committed (or found uncommittable);
-        DownloadFailed if the bytes never verified. A client that has the whole object
-        thus finds it in the cache on its next request, even across a crash."""
+        """Wait until every byte is verified and the entry committed (or found
+        uncommittable); DownloadFailed if the bytes never verified."""
         await self.wait_verified()
-        while self.state == "streaming":
+        while self.state is State.STREAMING:
             await self._wait()
 
     async def wait_finished(self) -> None:
@@ -187,9 +249,9 @@ class Download:
         try:
             while end is None or pos < end:
                 await self.wait_beyond(pos)
-                if self.state == "failed":
+                if self.state is State.FAILED:
                     raise DownloadFailed(self.url, self.error)
-                if self.state == "passthrough" and pos >= self.written:
+                if self.state is State.PASSTHROUGH and pos >= self.written:
                     pos += await self._from_upstream(write, pos, end)
                     break
                 avail = self.written
@@ -208,14 +270,16 @@ class Download:
                     end,
                     self.known_size,
                     self.written,
-                    self.state == "streaming",
+                    self.state is State.STREAMING,
                     self.verified,
                     READ_CHUNK if send is None else None,
                 )
-                if self.state == "passthrough":
+                if self.state is State.PASSTHROUGH:
                     last = False  # the end comes from the upstream, verified there
                 if last:
-                    await self.wait_settled()
+                    # the final byte goes once every byte is on disk and verified; the
+                    # commit (fsync, rename, index) follows on its own
+                    await self.wait_verified()
                 fd = self._read_fd
                 if fd is None:
                     raise DownloadFailed(self.url, RuntimeError("download file closed"))
@@ -248,7 +312,7 @@ class Download:
         """The rest of a client's range from the upstream, once the store gave up."""
         if self._upstream_range is None:
             raise DownloadFailed(self.url, self.error)
-        stop = end if end is not None else self.size
+        stop = end if end is not None else self.meta.size
         if stop is not None and pos >= stop:
             return 0
         sent = 0
@@ -259,6 +323,17 @@ class Download:
         except (ProxyError, CacheError) as exc:
             raise DownloadFailed(self.url, exc) from exc
         return sent
+
+
+def _open_pair(path: str) -> tuple[int, int]:
+    """A write and a read descriptor on the partial file."""
+    w = os.open(path, os.O_WRONLY)
+    try:
+        r = os.open(path, os.O_RDONLY)
+    except BaseException:
+        os.close(w)
+        raise
+    return w, r
 
 
 def _next_span(
@@ -349,74 +424,35 @@ class Inflight:
     async def _run(self, dl: Download) -> None:
         m = self.metrics
         m.downloads_in_progress.inc()
-        loop = asyncio.get_running_loop()
         body: UpstreamBody | None = None
         partial: Partial | None = None
         wfd: int | None = None
-        failed = False
-        health = self.health
         try:
             body = await self.fetcher.open(dl.url)
-            dl.size, dl.etag = body.size, body.etag
-            dl.last_modified, dl.content_type = body.last_modified, body.content_type
-            dl.cache_control = body.cache_control
-            size, etag, lm = body.size, body.etag, body.last_modified
-            dl._upstream_range = lambda start, end: self.fetcher.read_range(
-                dl.url, start, end, size=size, etag=etag, last_modified=lm
+            meta = body.meta
+            dl.opened(
+                meta, lambda start, end: self.fetcher.read_range(dl.url, start, end, meta=meta)
             )
-            if cache_control_forbids(body.cache_control):
-                dl.bypass_reason = f"upstream Cache-Control: {body.cache_control}"
-            elif not health.writable:
-                dl.bypass_reason = "the store is not writable"
-            elif should_admit(body.size, self.cache_size):
-                try:
-                    partial = await asyncio.to_thread(self.store.begin, dl.url, body.size)
-                except CacheError as exc:
-                    err = health.classify("create", exc)
-                    if err is not None:
-                        health.failed(err)
-                    else:
-                        log.error("cannot cache %s, streaming it through: %s", dl.url, exc)
-                    dl.bypass_reason = f"store error: {exc}"
+            partial, reason = await self._admit(dl, meta)
             if partial is None:
-                log.info(
-                    "%s not cached (%s), streaming it through",
-                    dl.url,
-                    dl.bypass_reason or f"size {body.size} not admitted",
+                log.info("%s not cached (%s), streaming it through", dl.url, reason)
+                dl.to_bypass(body, reason)
+                body = None
+                asyncio.get_running_loop().call_later(
+                    BYPASS_CLAIM_SECONDS, self._close_unclaimed, dl
                 )
-                dl._bypass_body, body = body, None
-                dl.state = "bypass"
-                loop.call_later(BYPASS_CLAIM_SECONDS, self._close_unclaimed, dl)
                 return
             dl.cached = True
-
-            def _open() -> tuple[int, int]:
-                w = os.open(partial.path, os.O_WRONLY)
-                try:
-                    r = os.open(partial.path, os.O_RDONLY)
-                except BaseException:
-                    os.close(w)
-                    raise
-                return w, r
-
-            wfd, dl._read_fd = await asyncio.to_thread(_open)
-            dl.state = "streaming"
-            dl._notify()
-            hasher = hashlib.md5(usedforsecurity=False) if body.md5 else None
-            # Batches of up to 1 MiB, written off the loop (by the thread that received
-            # them when the fetcher has one): the readers wake once per batch.
+            wfd, rfd = await asyncio.to_thread(_open_pair, partial.path)
+            dl.to_streaming(rfd)
             try:
-                async for n in body.pump(wfd, hasher):
-                    dl.written += n
-                    dl._notify()
-                    if dl.cached and body.size is None and dl.written > partial.reserved:
-                        await self._grow(dl, partial)
+                await self._receive(dl, body, partial, wfd)
             except OSError as exc:
-                err = health.classify("write", exc)
+                err = self.health.classify("write", exc)
                 if err is None:
                     raise
                 # the disk refused: discard the partial, clients continue from the upstream
-                health.failed(err)
+                self.health.failed(err)
                 body.close()
                 body = None
                 os.close(wfd)
@@ -424,66 +460,40 @@ class Inflight:
                 with contextlib.suppress(CacheError):
                     await asyncio.to_thread(self.store.abort, partial)
                 partial = None
-                dl.cached = False
-                dl.error = err
-                dl.state = "passthrough"
+                dl.to_passthrough(err)
                 log.warning(
                     "%s: store write failed after %d bytes; its clients continue from the upstream",
                     dl.url,
                     dl.written,
                 )
                 return
-            if body.size is not None and dl.written != body.size:
-                raise IncompleteDownloadError(dl.url, dl.written, body.size)
-            if hasher is not None and hasher.digest() != body.md5:
-                raise UpstreamError(f"upstream {dl.url}: MD5 checksum mismatch")
             os.close(wfd)
             wfd = None
-            dl.verified = True
-            dl._notify()
+            dl.all_verified()
+            entry = None
             if dl.cached:
-                try:
-                    dl.entry = await asyncio.to_thread(
-                        self.store.commit,
-                        partial,
-                        dl.written,
-                        etag=dl.etag,
-                        last_modified=dl.last_modified,
-                        content_type=dl.content_type,
-                    )
-                except CacheError as exc:  # the bytes sent were right; only caching failed
-                    err = health.classify("commit", exc)
-                    if err is not None:
-                        health.failed(err)
-                    else:
-                        log.error("could not commit %s: %s", dl.url, exc)
+                entry = await self._commit(dl, partial)
                 partial = None
-            dl.state = "done"
+            dl.to_done(entry)
             log.info("downloaded %s (%d bytes)", dl.url, dl.written)
         except asyncio.CancelledError:
-            dl.error = UpstreamError(f"{dl.url}: download cancelled (shutting down)")
-            failed = True
+            await self._discard(wfd, body, partial)
+            wfd = body = partial = None
+            dl.to_failed(UpstreamError(f"{dl.url}: download cancelled (shutting down)"))
             raise
         except Exception as exc:
-            dl.error = exc
-            failed = True
+            await self._discard(wfd, body, partial)
+            wfd = body = partial = None
             if dl.written or isinstance(exc, IncompleteDownloadError):
                 m.failed_downloads.inc()
                 log.warning("download of %s failed after %d bytes: %s", dl.url, dl.written, exc)
             elif not isinstance(exc, ProxyError):
                 log.exception("download of %s failed", dl.url)
-                dl.error = UpstreamError(f"{dl.url}: {exc}")
+                exc = UpstreamError(f"{dl.url}: {exc}")
+            # only now, with the partial file gone, may clients see the failure
+            dl.to_failed(exc)
         finally:
-            if wfd is not None:
-                os.close(wfd)
-            if body is not None:
-                body.close()
-            if partial is not None and dl.state != "done":
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(asyncio.to_thread(self.store.abort, partial))
-            if failed:
-                # only now, with the partial file gone, may clients see the failure
-                dl.state = "failed"
+            await self._discard(wfd, body, partial)
             if self._downloads.get(dl.url) is dl:
                 del self._downloads[dl.url]
             if dl.claimed:
@@ -493,6 +503,64 @@ class Inflight:
             m.downloads_in_progress.dec()
             dl._notify()
             dl.release()
+
+    async def _admit(self, dl: Download, meta: ObjectMeta) -> tuple[Partial | None, str]:
+        """A partial file for the download, or None and why it is not cached."""
+        health = self.health
+        if cache_control_forbids(meta.cache_control):
+            return None, f"upstream Cache-Control: {meta.cache_control}"
+        if not health.writable:
+            return None, "the store is not writable"
+        if not should_admit(meta.size, self.cache_size):
+            return None, f"size {meta.size} not admitted"
+        try:
+            return await asyncio.to_thread(self.store.begin, dl.url, meta.size), ""
+        except CacheError as exc:
+            err = health.classify("create", exc)
+            if err is not None:
+                health.failed(err)
+            else:
+                log.error("cannot cache %s, streaming it through: %s", dl.url, exc)
+            return None, f"store error: {exc}"
+
+    async def _receive(self, dl: Download, body: UpstreamBody, partial: Partial, wfd: int) -> None:
+        """Write the whole body to the partial file, then check its length and digest.
+        Batches of up to 1 MiB are written off the loop (by the thread that received
+        them when the backend has one): the readers wake once per batch."""
+        meta = body.meta
+        hasher = hashlib.md5(usedforsecurity=False) if meta.md5 else None
+        async for n in body.pump(wfd, hasher):
+            dl.wrote(n)
+            if dl.cached and meta.size is None and dl.written > partial.reserved:
+                await self._grow(dl, partial)
+        if meta.size is not None and dl.written != meta.size:
+            raise IncompleteDownloadError(dl.url, dl.written, meta.size)
+        if hasher is not None and hasher.digest() != meta.md5:
+            raise UpstreamError(f"upstream {dl.url}: MD5 checksum mismatch")
+
+    async def _commit(self, dl: Download, partial: Partial) -> Entry | None:
+        """Turn the verified partial into an entry; None when only caching failed (the
+        bytes the clients got were right)."""
+        try:
+            return await asyncio.to_thread(self.store.commit, partial, dl.written, meta=dl.meta)
+        except CacheError as exc:
+            err = self.health.classify("commit", exc)
+            if err is not None:
+                self.health.failed(err)
+            else:
+                log.error("could not commit %s: %s", dl.url, exc)
+            return None
+
+    async def _discard(
+        self, wfd: int | None, body: UpstreamBody | None, partial: Partial | None
+    ) -> None:
+        if wfd is not None:
+            os.close(wfd)
+        if body is not None:
+            body.close()
+        if partial is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(asyncio.to_thread(self.store.abort, partial))
 
     async def _grow(self, dl: Download, partial: Partial) -> None:
         want = dl.written + GROW_STEP

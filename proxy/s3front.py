@@ -33,7 +33,7 @@ from xml.etree import ElementTree as ET
 
 from aiohttp import web
 
-from proxy.s3 import S3Upstream, join_key, parse_s3_url
+from proxy.upstream.s3 import S3Upstream, join_key, parse_s3_url
 from shardcache.errors import ProxyError
 
 log = logging.getLogger(__name__)

@@ -45,6 +45,7 @@ class Origin:
     faults: dict[str, Fault] = field(default_factory=dict)
     gets: Counter = field(default_factory=Counter)
     ranges: list[tuple[str, str | None, str | None]] = field(default_factory=list)
+    if_ranges: list[str | None] = field(default_factory=list)  # If-Range of each GET
     port: int = 0
 
     def __post_init__(self) -> None:
@@ -67,6 +68,7 @@ class Origin:
             self.ranges.append(
                 (name, request.headers.get("Range"), request.headers.get("If-Match"))
             )
+            self.if_ranges.append(request.headers.get("If-Range"))
         if fault.hang:
             await asyncio.sleep(3600)
         if fault.status is not None:

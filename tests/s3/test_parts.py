@@ -4,29 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import random
 
 import pytest
-from aiohttp import ClientSession, web
+from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.parts import (
-    FileSink,
-    HTTPRangedSource,
-    ObjectChanged,
-    ObjectInfo,
-    backoff_delay,
-    can_fetch_in_parts,
-    fetch_parts,
-    info_from_headers,
-    parse_content_range,
-    parts_stream,
-    plan_parts,
-    response_chunks,
-)
-from shardcache.errors import UpstreamError
+from proxy.upstream.aio import AioTransport
+from proxy.upstream.parts import can_fetch_in_parts, fetch_parts, parts_stream, plan_parts
+from proxy.upstream.resume import backoff_delay
+from proxy.upstream.stream import Policy, ask
+from shardcache.errors import IncompleteDownloadError, ObjectChanged, UpstreamCut, UpstreamError
+from shardcache.meta import ObjectMeta, parse_content_range
 
 KIB = 1024
 
@@ -60,19 +50,19 @@ def test_parse_content_range():
 
 
 def test_can_fetch_in_parts():
-    ok = ObjectInfo(size=100, etag='"abc"', accept_ranges=True)
+    ok = ObjectMeta(size=100, etag='"abc"', accept_ranges=True)
     assert can_fetch_in_parts(ok, 10)
     assert not can_fetch_in_parts(ok, 100)  # one part: nothing to parallelise
-    assert not can_fetch_in_parts(ObjectInfo(size=None, etag='"a"', accept_ranges=True), 10)
-    assert not can_fetch_in_parts(ObjectInfo(size=100, etag=None, accept_ranges=True), 10)
-    assert not can_fetch_in_parts(ObjectInfo(size=100, etag='W/"a"', accept_ranges=True), 10)
-    assert not can_fetch_in_parts(ObjectInfo(size=100, etag='"a"', accept_ranges=False), 10)
+    assert not can_fetch_in_parts(ObjectMeta(size=None, etag='"a"', accept_ranges=True), 10)
+    assert not can_fetch_in_parts(ObjectMeta(size=100, etag=None, accept_ranges=True), 10)
+    assert not can_fetch_in_parts(ObjectMeta(size=100, etag='W/"a"', accept_ranges=True), 10)
+    assert not can_fetch_in_parts(ObjectMeta(size=100, etag='"a"', accept_ranges=False), 10)
 
 
-@given(st.integers(0, 20), st.floats(0, 1))
+@given(st.integers(1, 20), st.floats(0, 1))
 def test_backoff_is_bounded_and_grows(attempt, rand):
     d = backoff_delay(attempt, 0.1, cap=2.0, rand=rand)
-    assert 0.05 * min(2**attempt, 20) - 1e-9 <= d <= 2.0
+    assert 0.05 * min(2 ** (attempt - 1), 20) - 1e-9 <= d <= 2.0
     assert backoff_delay(attempt + 1, 0.1, cap=100.0) >= backoff_delay(attempt, 0.1, cap=100.0)
 
 
@@ -108,7 +98,7 @@ class Origin:
             await resp.write_eof()
             return resp
         first, _, last = rng.removeprefix("bytes=").partition("-")
-        first, last = int(first), min(int(last), len(self.data) - 1)
+        first, last = int(first), min(int(last or len(self.data) - 1), len(self.data) - 1)
         headers["Content-Range"] = f"bytes {first}-{last}/{len(self.data)}"
         return web.Response(status=206, body=self.data[first : last + 1], headers=headers)
 
@@ -118,77 +108,115 @@ PART = 128 * KIB
 NPARTS = len(plan_parts(len(DATA), PART))
 
 
+class Source:
+    """One object behind a transport: ``url``, ``transport`` and its ``meta`` (a HEAD)."""
+
+    def __init__(self, transport, url: str) -> None:
+        self.transport = transport
+        self.url = url
+
+    async def stat(self) -> ObjectMeta:
+        resp = await self.transport.request("HEAD", self.url, {})
+        resp.close()
+        return ObjectMeta.from_headers(resp.headers, 200)
+
+
 @pytest.fixture
 async def origin(aiohttp_server):
     o = Origin(DATA)
     app = web.Application()
     app.router.add_route("*", "/obj", o.handle)
     server = await aiohttp_server(app)
-    async with ClientSession() as session:
-        yield o, HTTPRangedSource(session, str(server.make_url("/obj")), chunk_size=16 * KIB)
+    transport = AioTransport(connect_timeout=5, read_timeout=5, chunk_size=16 * KIB)
+    yield o, Source(transport, str(server.make_url("/obj")))
+    await transport.close()
+
+
+class _Cut:
+    """A response whose body breaks off after ``after`` bytes (UpstreamCut)."""
+
+    def __init__(self, inner, after: int) -> None:
+        self.inner, self.after = inner, after
+        self.status, self.reason, self.headers = inner.status, inner.reason, inner.headers
+
+    async def chunks(self):
+        sent = 0
+        async for chunk in self.inner.chunks():
+            if sent + len(chunk) > self.after:
+                yield chunk[: self.after - sent]
+                raise UpstreamCut("injected: connection reset mid-part")
+            sent += len(chunk)
+            yield chunk
+
+    def pump(self, fd, hasher):  # pragma: no cover - parts read chunks
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class Flaky:
-    """Fault injection around a ranged source: part starting at ``fail_at`` breaks
-    after ``after`` bytes, ``times`` times."""
+    """Fault injection around a transport: the GET whose range starts at ``fail_at``
+    breaks after ``after`` bytes, ``times`` times. Records (start, end) of each GET."""
 
-    def __init__(self, inner, fail_at: int, after: int, times: int = 1) -> None:
-        self.inner = inner
-        self.url = inner.url
+    def __init__(self, src: Source, fail_at: int, after: int, times: int = 1) -> None:
+        self.inner = src.transport
+        self.url = src.url
         self.fail_at = fail_at
         self.after = after
         self.times = times
         self.calls: list[tuple[int, int]] = []
 
-    async def stat(self):
-        return await self.inner.stat()
+    async def request(self, method, url, headers):
+        resp = await self.inner.request(method, url, headers)
+        rng = headers.get("Range")
+        if method != "GET" or rng is None:
+            return resp
+        first, _, last = rng.removeprefix("bytes=").partition("-")
+        start = int(first)
+        self.calls.append((start, int(last) + 1 if last else len(DATA)))
+        if start == self.fail_at and self.times > 0:
+            self.times -= 1
+            return _Cut(resp, self.after)
+        return resp
 
-    async def read_range(self, start, end, etag):
-        self.calls.append((start, end))
-        sent = 0
-        async for chunk in self.inner.read_range(start, end, etag):
-            if start == self.fail_at and self.times > 0 and sent + len(chunk) > self.after:
-                self.times -= 1
-                yield chunk[: self.after - sent]
-                raise UpstreamError("injected: connection reset mid-part")
-            sent += len(chunk)
-            yield chunk
+    async def close(self) -> None:
+        pass
 
 
-async def fetch_to_file(source, info, path, **kw):
-    seen: list[int] = []
+def policy(retries: int = 3, backoff: float = 0.01) -> Policy:
+    return Policy(retries, backoff)
 
-    def progress(n: int) -> None:
-        # The file holds exactly the contiguous prefix reported so far.
-        assert os.path.getsize(path) == n
-        assert not seen or n > seen[-1]
-        seen.append(n)
 
+async def fetch_to_file(transport, url, meta, path, **kw):
     with open(path, "wb") as f:
-        n = await fetch_parts(source, info, FileSink(f), on_progress=progress, **kw)
-    return n, seen
+
+        async def sink(data: bytes) -> None:
+            f.write(data)
+            f.flush()
+
+        n = await fetch_parts(transport, url, meta, sink, **kw)
+    return n
 
 
 async def test_parts_in_order_to_a_file(origin, tmp_path):
     o, src = origin
-    info = await src.stat()
-    assert info == ObjectInfo(len(DATA), o.etag, None, "application/octet-stream", True) or (
-        info.size == len(DATA) and info.etag == o.etag and info.accept_ranges
-    )
+    meta = await src.stat()
+    assert meta.size == len(DATA) and meta.etag == o.etag and meta.accept_ranges
     path = tmp_path / "out.part"
-    n, seen = await fetch_to_file(src, info, path, part_size=PART, parallel=4)
-    assert n == len(DATA) and seen[-1] == len(DATA)
+    n = await fetch_to_file(src.transport, src.url, meta, path, part_size=PART, parallel=4)
+    assert n == len(DATA)
     assert path.read_bytes() == DATA
     ranges = sorted(r for m, r in o.requests if m == "GET")
     assert len(ranges) == NPARTS  # one request per part, none repeated
 
 
-async def test_failed_part_is_retried_alone(origin, tmp_path):
+async def test_failed_part_is_resumed_alone(origin, tmp_path):
     o, src = origin
-    info = await src.stat()
+    meta = await src.stat()
     flaky = Flaky(src, fail_at=3 * PART, after=40 * KIB)
     path = tmp_path / "out.part"
-    await fetch_to_file(flaky, info, path, part_size=PART, parallel=4, backoff=0.01)
+    await fetch_to_file(flaky, src.url, meta, path, part_size=PART, parallel=4, policy=policy())
     assert path.read_bytes() == DATA
     starts = [s for s, _ in flaky.calls]
     assert len(starts) == NPARTS + 1
@@ -197,63 +225,67 @@ async def test_failed_part_is_retried_alone(origin, tmp_path):
         s for s, _ in plan_parts(len(DATA), PART)
     ]
     assert (3 * PART + 40 * KIB, 4 * PART) in flaky.calls
+    resumed = [h for m, h in o.requests if h == f"bytes={3 * PART + 40 * KIB}-{4 * PART - 1}"]
+    assert len(resumed) == 1
 
 
 async def test_part_failing_every_time_fails_the_fetch(origin, tmp_path):
     o, src = origin
-    info = await src.stat()
+    meta = await src.stat()
     flaky = Flaky(src, fail_at=PART, after=0, times=100)
-    with pytest.raises(UpstreamError, match="injected"):
+    with pytest.raises(IncompleteDownloadError):
         await fetch_to_file(
-            flaky, info, tmp_path / "x", part_size=PART, parallel=2, retries=2, backoff=0.01
+            flaky, src.url, meta, tmp_path / "x", part_size=PART, parallel=2, policy=policy(2)
         )
     assert sum(1 for s, _ in flaky.calls if s == PART) == 3  # one try + two retries
 
 
 class ReplaceAfterFirstPart:
-    """Replaces the origin's object once the first part has been read."""
+    """Replaces the origin's object once a part past the first is asked for."""
 
-    def __init__(self, inner, origin: Origin, new: bytes) -> None:
-        self.inner, self.origin, self.new, self.url = inner, origin, new, inner.url
+    def __init__(self, src: Source, origin: Origin, new: bytes) -> None:
+        self.inner, self.origin, self.new = src.transport, origin, new
 
-    async def read_range(self, start, end, etag):
-        if start > 0:
+    async def request(self, method, url, headers):
+        if (headers.get("Range") or "bytes=0-").removeprefix("bytes=")[:2] != "0-":
             self.origin.set(self.new)
-        async for chunk in self.inner.read_range(start, end, etag):
-            yield chunk
+        return await self.inner.request(method, url, headers)
+
+    async def close(self) -> None:
+        pass
 
 
 @pytest.mark.parametrize("honour_if_match", [True, False])
 async def test_replaced_object_never_mixes_versions(origin, tmp_path, honour_if_match):
     o, src = origin
     o.honour_if_match = honour_if_match  # without If-Match, the ETag check still catches it
-    info = await src.stat()
+    meta = await src.stat()
     new = bytes(len(DATA))
     path = tmp_path / "out.part"
     with pytest.raises(ObjectChanged):
         await fetch_to_file(
-            ReplaceAfterFirstPart(src, o, new), info, path, part_size=PART, parallel=1
+            ReplaceAfterFirstPart(src, o, new), src.url, meta, path, part_size=PART, parallel=1
         )
     got = path.read_bytes()
     assert got == DATA[: len(got)]  # only a prefix of the old version, never new bytes
 
 
-async def test_parts_stream_with_initial_get(origin, aiohttp_server):
+async def test_parts_stream_with_initial_get(origin):
     o, src = origin
-    async with src.session.get(src.url) as resp:
-        info = info_from_headers(resp.headers)
-        assert can_fetch_in_parts(info, PART)
-        counted: list[int] = []
-        out = bytearray()
-        async for chunk in parts_stream(
-            src,
-            info,
-            part_size=PART,
-            parallel=3,
-            initial=response_chunks(resp, 16 * KIB),
-            on_bytes=counted.append,
-        ):
-            out += chunk
+    counted: list[int] = []
+    resp, meta = await ask(src.transport, src.url, None, 0, None, policy())
+    assert can_fetch_in_parts(meta, PART)
+    out = bytearray()
+    async for chunk in parts_stream(
+        src.transport,
+        src.url,
+        meta,
+        part_size=PART,
+        parallel=3,
+        initial=resp,
+        policy=Policy(3, 0.01, on_bytes=counted.append),
+    ):
+        out += chunk
     assert bytes(out) == DATA and sum(counted) == len(DATA)
     gets = [r for m, r in o.requests if m == "GET"]
     assert gets.count(None) == 1 and len(gets) == NPARTS  # part 0 came from the first GET
@@ -261,13 +293,17 @@ async def test_parts_stream_with_initial_get(origin, aiohttp_server):
 
 async def test_parts_stream_raises_on_failure_and_closes_early(origin):
     o, src = origin
-    info = await src.stat()
-    with pytest.raises(UpstreamError):
+    meta = await src.stat()
+    with pytest.raises(IncompleteDownloadError):
         async for _ in parts_stream(
-            Flaky(src, fail_at=0, after=0, times=10), info, part_size=PART, retries=0
+            Flaky(src, fail_at=0, after=0, times=10),
+            src.url,
+            meta,
+            part_size=PART,
+            policy=policy(0),
         ):
             pass
-    agen = parts_stream(src, info, part_size=PART, parallel=4)
+    agen = parts_stream(src.transport, src.url, meta, part_size=PART, parallel=4)
     first = await agen.__anext__()
     assert first == DATA[: len(first)]
     await agen.aclose()  # cancels the remaining part requests without hanging
@@ -281,8 +317,10 @@ async def test_origin_ignoring_range_is_an_error(aiohttp_server):
     app = web.Application()
     app.router.add_get("/o", handler)
     server = await aiohttp_server(app)
-    async with ClientSession() as session:
-        src = HTTPRangedSource(session, str(server.make_url("/o")))
-        with pytest.raises(UpstreamError, match="ignored the Range"):
-            async for _ in src.read_range(0, 10, '"e"'):
-                pass
+    transport = AioTransport(connect_timeout=5, read_timeout=5, chunk_size=KIB)
+    meta = ObjectMeta(size=100, etag='"e"', accept_ranges=True)
+    try:
+        with pytest.raises(UpstreamError, match="ignores Range"):
+            await ask(transport, str(server.make_url("/o")), meta, 10, 20, policy())
+    finally:
+        await transport.close()

@@ -1,4 +1,4 @@
-"""proxy.s3.S3Upstream against a real SeaweedFS, plus fault injection for throttling."""
+"""proxy.upstream.s3.S3Upstream against a real SeaweedFS, plus fault injection for throttling."""
 
 from __future__ import annotations
 
@@ -11,22 +11,19 @@ from conftest import BUCKET, OBJECTS
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.parts import ObjectChanged
-from proxy.s3 import (
-    S3Upstream,
-    classify_s3_error,
-    format_range,
-    join_key,
-    parse_s3_url,
-    s3_error_to_proxy,
-)
+from proxy.upstream import Fetcher
+from proxy.upstream.errors import s3_error
+from proxy.upstream.parts import fetch_parts
+from proxy.upstream.s3 import S3Transport, S3Upstream, format_range, join_key, parse_s3_url
 from shardcache.errors import (
     BadRequest,
     ConfigError,
     Forbidden,
     NotFound,
+    ObjectChanged,
     RangeNotSatisfiable,
     UpstreamError,
+    UpstreamThrottled,
     UpstreamTimeout,
 )
 
@@ -68,28 +65,28 @@ def test_format_range():
 
 
 @pytest.mark.parametrize(
-    "code,status,kind,exc,hint",
+    "code,status,exc,hint",
     [
-        ("NoSuchKey", 404, "not_found", NotFound, 404),
-        ("404", 404, "not_found", NotFound, 404),
-        ("NoSuchBucket", 404, "not_found", NotFound, 404),
-        ("AccessDenied", 403, "forbidden", Forbidden, 403),
-        ("InvalidAccessKeyId", 403, "forbidden", Forbidden, 403),
-        ("SignatureDoesNotMatch", 403, "forbidden", Forbidden, 403),
-        ("PreconditionFailed", 412, "changed", ObjectChanged, 502),
-        ("InvalidRange", 416, "range", RangeNotSatisfiable, 416),
-        ("SlowDown", 503, "retry", UpstreamError, 503),
-        ("RequestLimitExceeded", 400, "retry", UpstreamError, 503),
-        ("InternalError", 500, "retry", UpstreamError, 503),
-        ("InvalidArgument", 400, "other", UpstreamError, 502),
+        ("NoSuchKey", 404, NotFound, 404),
+        ("404", 404, NotFound, 404),
+        ("NoSuchBucket", 404, NotFound, 404),
+        ("AccessDenied", 403, Forbidden, 403),
+        ("", 401, Forbidden, 403),
+        ("InvalidAccessKeyId", 403, Forbidden, 403),
+        ("SignatureDoesNotMatch", 403, Forbidden, 403),
+        ("PreconditionFailed", 412, ObjectChanged, 502),
+        ("InvalidRange", 416, RangeNotSatisfiable, 416),
+        ("SlowDown", 503, UpstreamThrottled, 503),
+        ("RequestLimitExceeded", 400, UpstreamThrottled, 503),
+        ("InternalError", 500, UpstreamThrottled, 503),
+        ("InvalidArgument", 400, UpstreamError, 502),
     ],
 )
-def test_error_mapping(code, status, kind, exc, hint):
-    assert classify_s3_error(code, status) == kind
-    err = s3_error_to_proxy("s3://b/k", code, status, "msg")
+def test_error_mapping(code, status, exc, hint):
+    err = s3_error("s3://b/k", code, status, "msg")
     assert type(err) is exc and err.status_hint == hint
     assert "s3://b/k" in str(err)
-    if kind == "forbidden":
+    if exc is Forbidden:
         assert "AWS_ACCESS_KEY_ID" in str(err)
 
 
@@ -109,16 +106,16 @@ async def s3(seaweed):
 async def test_get_head_range(s3):
     data = OBJECTS["shards/small.tar"]
     resp = await s3.open(SMALL)
-    assert resp.status == 200 and resp.info.size == len(data)
+    assert resp.status == 200 and resp.meta.size == len(data)
     assert resp.headers["Content-Length"] == str(len(data))
-    assert resp.info.etag and resp.info.last_modified.endswith("GMT")
+    assert resp.meta.etag and resp.meta.last_modified.endswith("GMT")
     assert await read_all(resp) == data
 
     info = await s3.head(SMALL)
-    assert (info.size, info.etag) == (len(data), resp.info.etag)
+    assert (info.size, info.etag) == (len(data), resp.meta.etag)
 
     resp = await s3.open(SMALL, range=(100, 199), if_match=info.etag)
-    assert (resp.status, resp.start, resp.length, resp.info.size) == (206, 100, 100, len(data))
+    assert (resp.status, resp.start, resp.length, resp.meta.size) == (206, 100, 100, len(data))
     assert resp.headers["Content-Range"] == f"bytes 100-199/{len(data)}"
     assert await read_all(resp) == data[100:200]
 
@@ -277,26 +274,22 @@ async def test_timeout_and_connection_refused(throttling_front):
 
 
 async def test_fetcher_streams_large_object_in_parts(s3):
-    from proxy.s3 import S3Fetcher
-
     outcomes: list[str] = []
     counted: list[int] = []
-    fetcher = S3Fetcher(
-        s3, part_size=1024 * 1024, parallel=3, observe=outcomes.append, on_bytes=counted.append
+    fetcher = Fetcher(
+        s3=s3, part_size=1024 * 1024, parallel=3, observe=outcomes.append, on_bytes=counted.append
     )
     body = await fetcher.open(f"s3://{BUCKET}/shards/medium.tar")
     data = OBJECTS["shards/medium.tar"]
-    assert (body.size, body.content_type) == (len(data), body.content_type)
-    assert body.etag and body.last_modified
+    assert body.meta.size == len(data)
+    assert body.meta.etag and body.meta.last_modified
     got = b"".join([c async for c in body.chunks()])
     body.close()
     assert got == data and sum(counted) == len(data) and outcomes == ["ok"]
 
 
 async def test_fetcher_small_object_and_quoted_key(s3):
-    from proxy.s3 import S3Fetcher
-
-    fetcher = S3Fetcher(s3, part_size=1024 * 1024)
+    fetcher = Fetcher(s3=s3, part_size=1024 * 1024, parallel=3)
     body = await fetcher.open(f"s3://{BUCKET}/shards/dir/x%20one+two.tar")
     assert b"".join([c async for c in body.chunks()]) == OBJECTS["shards/dir/x one+two.tar"]
     body.close()
@@ -305,28 +298,32 @@ async def test_fetcher_small_object_and_quoted_key(s3):
 
 
 async def test_s3_object_replaced_between_parts(s3, boto, tmp_path):
-    from proxy.parts import FileSink, fetch_parts
-    from proxy.s3 import S3RangedSource
-
     key = "replace/obj.bin"
     old = bytes(range(256)) * (12 * 1024)  # 3 MiB
     boto.put_object(Bucket=BUCKET, Key=key, Body=old)
-    src = S3RangedSource(s3, f"s3://{BUCKET}/{key}")
-    info = await src.stat()
+    transport = S3Transport(s3)
+    url = f"s3://{BUCKET}/{key}"
+    meta = await s3.head(url)
 
     class Replacing:
-        url = src.url
-
-        async def read_range(self, start, end, etag):
-            if start > 0:
+        async def request(self, method, url, headers):
+            if not (headers.get("Range") or "bytes=0-").startswith("bytes=0-"):
                 await asyncio.to_thread(
                     boto.put_object, Bucket=BUCKET, Key=key, Body=b"N" * len(old)
                 )
-            async for chunk in src.read_range(start, end, etag):
-                yield chunk
+            return await transport.request(method, url, headers)
+
+        async def close(self) -> None:
+            pass
 
     path = tmp_path / "x.part"
-    with open(path, "wb") as f, pytest.raises(ObjectChanged):
-        await fetch_parts(Replacing(), info, FileSink(f), part_size=1024 * 1024, parallel=1)
+    with open(path, "wb") as f:
+
+        async def sink(data: bytes) -> None:
+            f.write(data)
+            f.flush()
+
+        with pytest.raises(ObjectChanged):
+            await fetch_parts(Replacing(), url, meta, sink, part_size=1024 * 1024, parallel=1)
     got = path.read_bytes()
     assert len(got) == 1024 * 1024 and got == old[: len(got)]

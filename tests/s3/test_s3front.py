@@ -14,7 +14,6 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 from conftest import BUCKET, OBJECTS
 
-from proxy.s3 import S3Upstream, join_key, parse_s3_url
 from proxy.s3front import (
     S3Error,
     S3Front,
@@ -23,6 +22,7 @@ from proxy.s3front import (
     render_list_v2,
     verify_sigv4,
 )
+from proxy.upstream.s3 import S3Upstream, join_key, parse_s3_url
 from shardcache.errors import ConfigError, NotFound
 
 FRONT_AK = "front-access"

@@ -1,0 +1,129 @@
+"""The aiohttp transport: http(s) on the event loop, one pooled session.
+
+A close-delimited body (no Content-Length, not chunked) ends where the connection ends,
+and aiohttp reports a connection reset there as a clean end of the body; this transport
+records how each connection ended (:class:`_Handler`) and raises UpstreamCut unless the
+close was orderly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import aiohttp
+from aiohttp.client_proto import ResponseHandler
+
+from proxy.upstream.errors import aiohttp_error
+from proxy.upstream.transport import pump_chunks
+from shardcache._version import __version__
+from shardcache.errors import UpstreamCut
+
+__all__ = ["AioTransport"]
+
+USER_AGENT = f"shardcache/{__version__}"
+
+
+class _Handler(ResponseHandler):
+    """aiohttp's protocol, remembering the error a connection was lost with."""
+
+    lost_error: BaseException | None = None
+    lost = False
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.lost = True
+        self.lost_error = exc
+        super().connection_lost(exc)
+
+
+class _Connector(aiohttp.TCPConnector):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._factory = lambda: _Handler(loop=self._loop)  # type: ignore[method-assign]
+
+
+class AioResponse:
+    """An aiohttp response as a :class:`~proxy.upstream.transport.Response`."""
+
+    def __init__(self, url: str, resp: aiohttp.ClientResponse, chunk_size: int) -> None:
+        self.url = url
+        self._resp = resp
+        self.status = resp.status
+        self.reason = resp.reason or ""
+        self.headers: Mapping[str, str] = resp.headers
+        self._chunk = chunk_size
+        conn = resp.connection
+        self._proto = conn.protocol if conn is not None else None
+        te = (resp.headers.get("Transfer-Encoding") or "").lower()
+        self._close_delimited = "Content-Length" not in resp.headers and "chunked" not in te
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        content = self._resp.content
+        try:
+            while True:
+                data = await content.readany()
+                if not data:
+                    break
+                if len(data) < self._chunk:
+                    more = content.read_nowait(self._chunk - len(data))
+                    if more:
+                        data += more
+                yield data
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            self.close()
+            raise aiohttp_error(self.url, exc, body=True) from exc
+        if self._close_delimited:
+            proto = self._proto
+            if proto is not None and isinstance(proto, _Handler) and proto.lost_error is not None:
+                self.close()
+                raise UpstreamCut(
+                    f"upstream {self.url}: connection ended with an error, not an orderly "
+                    f"close ({proto.lost_error!r})"
+                )
+        self._resp.release()
+
+    def pump(self, fd: int, hasher: Any) -> AsyncIterator[int]:
+        return pump_chunks(self.chunks(), fd, hasher)
+
+    def close(self) -> None:
+        self._resp.close()
+
+
+class AioTransport:
+    """http(s) requests through one aiohttp session (created on first use, in the loop)."""
+
+    def __init__(self, *, connect_timeout: float, read_timeout: float, chunk_size: int) -> None:
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.chunk_size = chunk_size
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                auto_decompress=False,
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout
+                ),
+                connector=_Connector(limit=0, ttl_dns_cache=300),
+                headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"},
+                read_bufsize=1 << 18,
+            )
+        return self._session
+
+    async def request(self, method: str, url: str, headers: Mapping[str, str]) -> AioResponse:
+        try:
+            # a redirect is the client's to follow, not something to cache under this URL
+            resp = await self.session.request(
+                method, url, headers=dict(headers), allow_redirects=False
+            )
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise aiohttp_error(url, exc, body=False) from exc
+        return AioResponse(url, resp, self.chunk_size)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -1,0 +1,225 @@
+"""Each backend's failures mapped onto the project's error tree, one table per backend.
+
+What a client is then told (HTTP status, S3 code) is decided in one place,
+:func:`shardcache.errors.error_answer`. Failures *during* a body are :class:`UpstreamCut`
+(or :class:`UpstreamTimeout`), which a download may resume after; failures before an
+answer are final for that request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import socket
+import ssl
+from urllib.parse import urljoin
+
+import aiohttp
+
+from shardcache.errors import (
+    Forbidden,
+    NotFound,
+    ObjectChanged,
+    ProxyError,
+    RangeNotSatisfiable,
+    UpstreamCut,
+    UpstreamError,
+    UpstreamThrottled,
+    UpstreamTimeout,
+)
+
+__all__ = [
+    "CREDENTIALS_HINT",
+    "REDIRECTS",
+    "UpstreamRedirect",
+    "botocore_error",
+    "aiohttp_error",
+    "file_error",
+    "s3_error",
+    "socket_error",
+    "status_error",
+]
+
+CREDENTIALS_HINT = (
+    "check the AWS credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, "
+    "~/.aws/credentials) and that they may read this bucket"
+)
+
+# -- HTTP statuses (every http(s) transport; S3 errors without a code) --------------------
+
+_STATUS: dict[int, type[ProxyError]] = {
+    401: Forbidden,  # the upstream refused the proxy's credentials, not the client's
+    403: Forbidden,
+    404: NotFound,
+    410: NotFound,
+    412: ObjectChanged,
+    416: RangeNotSatisfiable,
+    408: UpstreamThrottled,
+    429: UpstreamThrottled,
+    503: UpstreamThrottled,
+    504: UpstreamTimeout,
+}
+
+
+def status_error(url: str, status: int, reason: str | None = "") -> ProxyError:
+    """The error for an upstream answer with ``status`` where the bytes were due. Other
+    4xx pass through with their status; other 5xx become 502."""
+    text = f"upstream {url} answered {status} {reason or ''}".rstrip()
+    cls = _STATUS.get(status)
+    if cls is Forbidden:
+        return Forbidden(f"{text}: the upstream refused the proxy's own credentials")
+    if cls is not None:
+        return cls(text)
+    if 400 <= status < 500:
+        return ProxyError(text, status_hint=status)
+    return UpstreamError(text)
+
+
+# -- transports: exceptions raised while connecting or reading ---------------------------
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def aiohttp_error(url: str, exc: BaseException, *, body: bool) -> ProxyError:
+    """An aiohttp failure: before the answer (``body=False``) or while reading it."""
+    if isinstance(exc, ProxyError):
+        return exc
+    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+        return UpstreamTimeout(f"upstream {url} timed out")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return UpstreamError(f"upstream {url} unreachable: {exc.os_error or exc}")
+    if body:
+        return UpstreamCut(f"upstream {url}: body broke off: {_describe(exc)}")
+    return UpstreamError(f"upstream {url} failed: {_describe(exc)}")
+
+
+def socket_error(
+    url: str, exc: BaseException, *, body: bool, connecting: bool = False
+) -> ProxyError:
+    """A blocking-socket (``http.client``) failure."""
+    if isinstance(exc, ProxyError):
+        return exc
+    if isinstance(exc, (TimeoutError, socket.timeout)):
+        return UpstreamTimeout(f"upstream {url} timed out")
+    if connecting:
+        return UpstreamError(f"upstream {url} unreachable: {_describe(exc)}")
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return UpstreamError(f"upstream {url}: TLS certificate refused: {exc}")
+    if body and isinstance(exc, (OSError, http.client.HTTPException)):
+        return UpstreamCut(f"upstream {url}: body broke off: {_describe(exc)}")
+    return UpstreamError(f"upstream {url} failed: {_describe(exc)}")
+
+
+def file_error(url: str, exc: BaseException, *, body: bool) -> ProxyError:
+    """A ``file://`` upstream's OSError."""
+    if isinstance(exc, ProxyError):
+        return exc
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+        return NotFound(f"upstream {url}: no such file")
+    if isinstance(exc, PermissionError):
+        return Forbidden(f"upstream {url}: permission denied")
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return UpstreamTimeout(f"upstream {url} timed out reading the file")
+    if body:
+        return UpstreamCut(f"upstream {url}: {_describe(exc)}")
+    return UpstreamError(f"upstream {url}: {getattr(exc, 'strerror', None) or exc}")
+
+
+# -- S3: error codes and botocore exceptions ---------------------------------------------
+
+_S3_CODES: dict[str, type[ProxyError]] = {
+    **dict.fromkeys(("NoSuchKey", "NoSuchBucket", "NotFound", "404"), NotFound),
+    **dict.fromkeys(
+        (
+            "AccessDenied",
+            "Forbidden",
+            "403",
+            "401",
+            "InvalidAccessKeyId",
+            "SignatureDoesNotMatch",
+            "ExpiredToken",
+            "InvalidToken",
+            "TokenRefreshRequired",
+            "AllAccessDisabled",
+            "AccountProblem",
+        ),
+        Forbidden,
+    ),
+    **dict.fromkeys(("PreconditionFailed", "412"), ObjectChanged),
+    **dict.fromkeys(("InvalidRange", "416"), RangeNotSatisfiable),
+    **dict.fromkeys(
+        (
+            "SlowDown",
+            "Throttling",
+            "ThrottlingException",
+            "ThrottledException",
+            "RequestThrottled",
+            "RequestLimitExceeded",
+            "TooManyRequestsException",
+            "ServiceUnavailable",
+            "503",
+            "InternalError",
+            "500",
+        ),
+        UpstreamThrottled,
+    ),
+    **dict.fromkeys(("RequestTimeout",), UpstreamTimeout),
+}
+
+
+def s3_error(url: str, code: str, status: int, message: str = "") -> ProxyError:
+    """The error for an S3 error response (``code`` as S3 names it, may be empty)."""
+    detail = f"{code or status}" + (f": {message}" if message and message != code else "")
+    cls = _S3_CODES.get(code) or _S3_CODES.get(str(status))
+    if cls is Forbidden:
+        return Forbidden(f"{url}: S3 denied access ({detail}); {CREDENTIALS_HINT}")
+    if cls is NotFound:
+        return NotFound(f"{url}: not found in S3 ({detail})")
+    if cls is UpstreamThrottled:
+        return UpstreamThrottled(f"{url}: S3 is throttling or unavailable ({detail})")
+    if cls is not None:
+        return cls(f"{url}: S3 answered {detail}")
+    if code in ("PermanentRedirect", "AuthorizationHeaderMalformed") or status == 301:
+        return UpstreamError(
+            f"{url}: S3 says the bucket is in another region or endpoint ({detail}); "
+            "set --s3-region/--s3-endpoint-url"
+        )
+    return UpstreamError(f"{url}: S3 error ({detail})")
+
+
+def botocore_error(url: str, exc: BaseException, *, body: bool) -> ProxyError:
+    """A botocore/aiobotocore failure (an S3 error response or a transport failure)."""
+    from botocore import exceptions as bx
+
+    if isinstance(exc, ProxyError):
+        return exc
+    if isinstance(exc, (bx.ConnectTimeoutError, bx.ReadTimeoutError, asyncio.TimeoutError)):
+        return UpstreamTimeout(f"{url}: S3 timed out ({exc})")
+    if isinstance(exc, bx.NoCredentialsError):
+        return Forbidden(f"{url}: no AWS credentials found; {CREDENTIALS_HINT}")
+    if isinstance(exc, bx.ClientError):
+        err = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return s3_error(url, str(err.get("Code", "")), status, str(err.get("Message", "")))
+    if isinstance(exc, (bx.BotoCoreError, aiohttp.ClientError, OSError)):
+        if body:
+            return UpstreamCut(f"{url}: S3 body broke off: {_describe(exc)}")
+        return UpstreamError(f"{url}: cannot reach S3: {_describe(exc)}")
+    raise exc
+
+
+REDIRECTS = frozenset({301, 302, 303, 307, 308})
+
+
+class UpstreamRedirect(ProxyError):
+    """The upstream redirected: the client gets the same status and Location, and
+    nothing is cached under the requested URL."""
+
+    def __init__(self, url: str, status: int, location: str) -> None:
+        # absolute, so that the client follows it to the upstream's target, not to a path
+        # of the proxy that maps somewhere else
+        location = urljoin(url, location)
+        super().__init__(f"upstream {url} redirects to {location}", status_hint=status)
+        self.headers = {"Location": location, "X-Cache": "BYPASS"}

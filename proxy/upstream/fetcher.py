@@ -1,0 +1,287 @@
+"""The upstream layer's face: :class:`Fetcher` turns "bytes X..Y of object U, of this
+version" into a body stream, for every backend.
+
+Backends (one :class:`~proxy.upstream.transport.Transport` each): ``http(s)://`` in
+worker threads (:mod:`.threaded`) or on the event loop (:mod:`.aio`), ``file://``
+(:mod:`.file`), ``s3://`` (:mod:`.s3`); large objects optionally in parallel ranged parts
+(:mod:`.parts`). Verification and resuming are the same for all (:mod:`.stream`,
+:mod:`.resume`); so are the errors (:mod:`.errors`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from proxy.policy import ByteRange, parse_range
+from proxy.upstream.aio import AioTransport
+from proxy.upstream.errors import REDIRECTS, UpstreamRedirect, status_error
+from proxy.upstream.file import FileTransport
+from proxy.upstream.parts import can_fetch_in_parts, parts_stream
+from proxy.upstream.resume import can_resume
+from proxy.upstream.s3 import S3Transport, S3Upstream
+from proxy.upstream.stream import Policy, UpstreamBody, read, retrying
+from proxy.upstream.threaded import ThreadTransport, threadable
+from proxy.upstream.transport import Response, Transport
+from shardcache.errors import (
+    NotFound,
+    ProxyError,
+    RangeNotSatisfiable,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from shardcache.meta import ObjectMeta, parse_content_range
+
+__all__ = ["Fetcher", "RangeAnswer"]
+
+log = logging.getLogger(__name__)
+
+Observer = Callable[[str], None]
+
+
+def _noop(outcome: str) -> None:
+    pass
+
+
+@dataclass
+class RangeAnswer:
+    """A client's range answered straight from the upstream: the object's version, the
+    range (None when the upstream ignored Range and sent the whole object, which the
+    caller slices to ``wanted``), and the body."""
+
+    meta: ObjectMeta
+    brange: ByteRange | None
+    wanted: ByteRange
+    body: UpstreamBody
+
+
+class Fetcher:
+    """Opens upstream URLs. Create inside a running loop; :meth:`close` when done."""
+
+    def __init__(
+        self,
+        *,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        retries: int = 3,
+        retry_backoff: float = 0.5,
+        chunk_size: int = 1 << 20,
+        observe: Observer = _noop,
+        on_bytes: Callable[[int], None] | None = None,
+        part_size: int = 0,
+        parallel: int = 1,
+        http_parts: bool = False,
+        s3: S3Upstream | None = None,
+        threaded: bool = True,
+    ) -> None:
+        self.observe = observe
+        self.policy = Policy(retries, retry_backoff, observe, on_bytes)
+        # Parallel ranged parts: for s3:// always, for http(s) only with http_parts (one
+        # stream keeps upstream bytes at 1x the shard; parts pay where an origin limits
+        # each connection). part_size 0 or parallel 1: one stream per object.
+        self.part_size = part_size
+        self.parallel = parallel
+        self.http_parts = http_parts
+        self.threaded = threaded
+        self._aio = AioTransport(
+            connect_timeout=connect_timeout, read_timeout=read_timeout, chunk_size=chunk_size
+        )
+        self._threads = ThreadTransport(connect_timeout=connect_timeout, read_timeout=read_timeout)
+        self._file = FileTransport(read_timeout=read_timeout, chunk_size=chunk_size)
+        self._s3 = S3Transport(s3) if s3 is not None else None
+
+    async def close(self) -> None:
+        """Close the upstream connection pools."""
+        for t in (self._aio, self._threads, self._file, self._s3):
+            if t is not None:
+                await t.close()
+
+    # -- routing ---------------------------------------------------------------------------
+
+    def _parts_for(self, scheme: str) -> bool:
+        wanted = scheme == "s3" or (scheme in ("http", "https") and self.http_parts)
+        return wanted and self.parallel > 1 and self.part_size > 0
+
+    def transport(self, url: str, *, stream: bool = False) -> Transport:
+        """The transport for ``url``; ``stream``: for one whole-object stream (the
+        threaded transport when allowed), else for short or parallel requests."""
+        scheme = urlsplit(url).scheme.lower()
+        if scheme == "file":
+            return self._file
+        if scheme in ("http", "https"):
+            if stream and self.threaded and not self._parts_for(scheme) and threadable(url):
+                return self._threads
+            return self._aio
+        if scheme == "s3":
+            if self._s3 is None:
+                raise UpstreamError(f"{url}: no S3 client configured for s3:// upstreams")
+            return self._s3
+        raise UpstreamError(f"{url}: unsupported upstream scheme {scheme!r}")
+
+    async def _request(
+        self, method: str, url: str, headers: dict[str, str], ok: tuple[int, ...], *, stream: bool
+    ) -> Response:
+        """One request, retried while throttled; an answer outside ``ok`` raises (a
+        redirect as UpstreamRedirect, passed on to the client). Counted in ``observe``."""
+        transport = self.transport(url, stream=stream)
+
+        async def once() -> Response:
+            resp = await transport.request(method, url, headers)
+            if resp.status in ok:
+                return resp
+            resp.close()
+            location = resp.headers.get("Location")
+            if resp.status in REDIRECTS and location:
+                raise UpstreamRedirect(url, resp.status, location)
+            raise status_error(url, resp.status, resp.reason)
+
+        try:
+            resp = await retrying(
+                once, url, retries=self.policy.retries, backoff=self.policy.backoff
+            )
+        except UpstreamRedirect:
+            self.observe("ok")
+            raise
+        except NotFound:
+            self.observe("not_found")
+            raise
+        except UpstreamTimeout:
+            self.observe("timeout")
+            raise
+        except ProxyError:
+            self.observe("error")
+            raise
+        self.observe("not_modified" if resp.status == 304 else "ok")
+        return resp
+
+    # -- whole objects ---------------------------------------------------------------------
+
+    async def open(self, url: str) -> UpstreamBody:
+        """Request ``url`` and return once its headers are in. Raises ProxyError."""
+        resp = await self._request("GET", url, {}, (200,), stream=True)
+        meta = ObjectMeta.from_headers(resp.headers, 200)
+        encoding = resp.headers.get("Content-Encoding")
+        if encoding and encoding.lower() != "identity":
+            # bytes are stored exactly as sent; a compressed representation is not a shard
+            log.warning("upstream %s sent Content-Encoding %s", url, encoding)
+        scheme = urlsplit(url).scheme.lower()
+        if self._parts_for(scheme) and can_fetch_in_parts(meta, self.part_size):
+            transport = self.transport(url)
+
+            def parts(sink: Any) -> Any:
+                return parts_stream(
+                    transport,
+                    url,
+                    meta,
+                    part_size=self.part_size,
+                    parallel=self.parallel,
+                    policy=self.policy,
+                    initial=resp,
+                )
+
+            return UpstreamBody(url, meta, parts, resp.close, pumps=False)
+        transport = self.transport(url, stream=True)
+
+        def whole(sink: Any) -> Any:
+            return read(transport, url, meta, 0, None, self.policy, first=resp, sink=sink)
+
+        return UpstreamBody(url, meta, whole, resp.close)
+
+    async def head(self, url: str) -> ObjectMeta:
+        """The object's size, validators and type from a HEAD, without its body."""
+        resp = await self._request("HEAD", url, {}, (200,), stream=False)
+        resp.close()
+        return ObjectMeta.from_headers(resp.headers, 200)
+
+    # -- ranges ----------------------------------------------------------------------------
+
+    async def read_range(self, url: str, start: int, end: int | None, *, meta: ObjectMeta) -> Any:
+        """Bytes ``[start, end)`` (to the end when ``end`` is None) of version ``meta``,
+        verified before a byte is yielded and resumed like any body. Without a strong ETag
+        or a Last-Modified only a read from byte 0 can be answered. Raises ProxyError
+        (ObjectChanged when the object changed) or IncompleteDownloadError."""
+        if start and not can_resume(meta):
+            raise UpstreamError(
+                f"upstream {url}: no validator (strong ETag or Last-Modified) to continue "
+                f"at byte {start} with the same version"
+            )
+        transport = self.transport(url)
+        async for chunk in read(transport, url, meta, start, end, self.policy):
+            yield chunk
+
+    async def open_range(self, url: str, header: str) -> RangeAnswer:
+        """Answer a client's single-range ``Range`` header straight from the upstream
+        (for an object not cached): the upstream's ranged answer, checked against what
+        the header asks of the size it reports. RangeNotSatisfiable (with ``size``) when
+        the range lies outside the object."""
+        resp = await self._request("GET", url, {"Range": header}, (200, 206, 416), stream=False)
+        try:
+            if resp.status == 416:
+                try:
+                    _, _, total = parse_content_range(
+                        (resp.headers.get("Content-Range") or "").replace("*", "0-0", 1)
+                    )
+                except ValueError:
+                    total = None
+                if total is None:
+                    total = (await self.head(url)).size
+                exc = RangeNotSatisfiable(f"range {header!r} not satisfiable for {total} bytes")
+                exc.headers = {"Content-Range": f"bytes */{total}"}  # type: ignore[attr-defined]
+                raise exc
+            meta = ObjectMeta.from_headers(resp.headers, resp.status)
+            if meta.size is None:
+                raise UpstreamError(f"upstream {url}: answered a range without the object's size")
+            wanted = parse_range(header, meta.size)
+            if wanted is None:
+                raise UpstreamError(f"upstream {url}: {header!r} is not a single byte range")
+            if resp.status == 200:
+                brange = None
+                start, end = 0, meta.size
+            else:
+                first, last, _ = parse_content_range(resp.headers.get("Content-Range"))
+                if (first, last) != (wanted.start, wanted.end):
+                    raise UpstreamError(
+                        f"upstream {url}: asked {header!r}, got bytes {first}-{last}"
+                    )
+                brange, start, end = wanted, wanted.start, wanted.end + 1
+        except BaseException:
+            resp.close()
+            raise
+        transport = self.transport(url)
+
+        def body(sink: Any) -> Any:
+            return read(transport, url, meta, start, end, self.policy, first=resp, sink=sink)
+
+        return RangeAnswer(meta, brange, wanted, UpstreamBody(url, meta, body, resp.close))
+
+    # -- revalidation ----------------------------------------------------------------------
+
+    async def revalidate(self, url: str, meta: ObjectMeta) -> str:
+        """Ask the upstream whether version ``meta`` of ``url`` is still current:
+        ``"fresh"`` (304, or the same validators), ``"changed"`` or ``"gone"`` (404/410).
+        Raises ProxyError when the upstream cannot tell (5xx, unreachable, timeout)."""
+        headers: dict[str, str] = {}
+        if meta.etag:
+            headers["If-None-Match"] = meta.etag
+        if meta.last_modified:
+            headers["If-Modified-Since"] = meta.last_modified
+        if not headers:
+            return "changed"  # nothing to compare: fetch it again
+        try:
+            resp = await self._request("GET", url, headers, (200, 304), stream=False)
+        except NotFound:
+            return "gone"
+        except UpstreamRedirect:
+            return "changed"  # the next GET passes the redirect on
+        resp.close()
+        if resp.status == 304:
+            return "fresh"
+        got = ObjectMeta.from_headers(resp.headers, 200)
+        if meta.etag:
+            same = got.etag == meta.etag
+        else:
+            same = got.last_modified == meta.last_modified and got.size == meta.size
+        return "fresh" if same else "changed"

@@ -1,0 +1,411 @@
+"""The S3 backend: ``s3://bucket/key`` on AWS S3 or an S3-compatible store
+(``endpoint_url``: SeaweedFS, MinIO, R2, AIStore) through aiobotocore.
+
+:class:`S3Upstream` is the client (HEAD, ranged GET with If-Match, ListObjectsV2);
+:class:`S3Transport` answers the upstream layer's requests with it, shaped like an HTTP
+origin's answers, so resuming, verification and parts work as for any upstream.
+Credentials come from the standard AWS chain (environment, shared config/credentials
+files, ``profile``); with no credentials at all requests go unsigned (public buckets).
+S3 failures are mapped by the S3 table of :mod:`proxy.upstream.errors`; throttling and 5xx
+are retried with the one backoff (:func:`proxy.upstream.stream.retrying`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from email.utils import format_datetime
+from typing import Any
+from urllib.parse import unquote
+
+from multidict import CIMultiDict
+
+from proxy.upstream.errors import botocore_error
+from proxy.upstream.stream import retrying
+from proxy.upstream.transport import pump_chunks
+from shardcache.errors import (
+    BadRequest,
+    ConfigError,
+    ObjectChanged,
+    ProxyError,
+    RangeNotSatisfiable,
+    UpstreamCut,
+    UpstreamError,
+)
+from shardcache.meta import ObjectMeta, parse_content_range
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "S3Location",
+    "S3Response",
+    "S3Transport",
+    "S3Upstream",
+    "format_range",
+    "join_key",
+    "parse_s3_url",
+]
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class S3Location:
+    """A bucket and a key (or key prefix)."""
+
+    bucket: str
+    key: str
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
+
+def parse_s3_url(url: str, *, quoted: bool = False) -> S3Location:
+    """Split ``s3://bucket/key`` (the key may be empty or a prefix) into an S3Location.
+
+    ``quoted=True`` percent-decodes the key (the proxy's canonical URLs quote each path
+    segment). Raises BadRequest naming the URL when it is not a valid s3 URL.
+    """
+    if not url.startswith("s3://"):
+        raise BadRequest(f"{url!r}: not an s3:// URL")
+    rest = url[len("s3://") :].partition("?")[0] if quoted else url[len("s3://") :]
+    bucket, _, key = rest.partition("/")
+    if quoted:
+        try:
+            key = unquote(key, errors="strict")
+        except UnicodeDecodeError as exc:
+            raise BadRequest(f"{url!r}: key is not valid percent-encoded UTF-8") from exc
+    if not _BUCKET_RE.match(bucket):
+        raise BadRequest(f"{url!r}: bad bucket name {bucket!r}")
+    if "\x00" in key:
+        raise BadRequest(f"{url!r}: NUL in key")
+    return S3Location(bucket, key)
+
+
+def join_key(prefix: str, path: str) -> str:
+    """The key of ``path`` under ``prefix`` (``"data"`` + ``"a.tar"`` → ``"data/a.tar"``)."""
+    prefix = prefix.strip("/")
+    path = path.lstrip("/")
+    if not prefix:
+        return path
+    return f"{prefix}/{path}" if path else f"{prefix}/"
+
+
+def format_range(range_: tuple[int, int | None] | str | None) -> str | None:
+    """A Range header value from ``(first, last_inclusive_or_None)`` or a header string."""
+    if range_ is None or isinstance(range_, str):
+        return range_
+    first, last = range_
+    if first < 0 or (last is not None and last < first):
+        raise RangeNotSatisfiable(f"bad range {range_!r}")
+    return f"bytes={first}-" if last is None else f"bytes={first}-{last}"
+
+
+def _http_date(resp: dict) -> str | None:
+    """Last-Modified as the upstream sent it (an HTTP-date), else rebuilt from botocore's."""
+    raw = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("last-modified")
+    if raw:
+        return raw
+    value = resp.get("LastModified")
+    if isinstance(value, datetime):
+        return format_datetime(value.astimezone(timezone.utc), usegmt=True)
+    return None
+
+
+class S3Response:
+    """An answer of S3 as an HTTP origin would send it: status, headers, streamed body.
+
+    ``meta.size`` is the size of the whole object; ``start``/``length`` the bytes of this
+    body (a range for 206). A body cut short raises UpstreamCut, never a clean end.
+    """
+
+    def __init__(
+        self, url: str, status: int, meta: ObjectMeta, start: int, length: int, body: Any = None
+    ) -> None:
+        self.url = url
+        self.status = status
+        self.reason = ""
+        self.meta = meta
+        self.start = start
+        self.length = length
+        self._body = body
+        h: CIMultiDict[str] = CIMultiDict({"Accept-Ranges": "bytes"})
+        if status in (200, 206):
+            h["Content-Length"] = str(length)
+        if status == 206 and meta.size is not None:
+            h["Content-Range"] = f"bytes {start}-{start + length - 1}/{meta.size}"
+        if status == 416 and meta.size is not None:
+            h["Content-Range"] = f"bytes */{meta.size}"
+        h.update(meta.headers())
+        if meta.content_type:
+            h["Content-Type"] = meta.content_type
+        self.headers: Mapping[str, str] = h
+
+    async def chunks(self, chunk_size: int = 1 << 20) -> AsyncIterator[bytes]:
+        got = 0
+        if self._body is None:
+            return
+        try:
+            async for chunk in self._body.iter_chunks(chunk_size):
+                got += len(chunk)
+                yield chunk
+        except ProxyError:
+            raise
+        except Exception as exc:
+            raise botocore_error(self.url, exc, body=True) from exc
+        finally:
+            if got != self.length:  # abandoned or failed: do not reuse the connection
+                self._body.close()
+        if got != self.length:
+            raise UpstreamCut(f"{self.url}: body ended after {got} of {self.length} bytes")
+
+    iter_chunks = chunks
+
+    def pump(self, fd: int, hasher: Any) -> AsyncIterator[int]:
+        return pump_chunks(self.chunks(), fd, hasher)
+
+    def close(self) -> None:
+        if self._body is not None:
+            self._body.close()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> S3Response:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+class S3Upstream:
+    """Async S3 client for the proxy: HEAD, ranged GET with If-Match, ListObjectsV2.
+
+    Use as ``async with S3Upstream(...) as s3:`` or call :meth:`start` / :meth:`close`.
+    Credentials: ``credentials=(access_key, secret_key)`` if given, else the standard AWS
+    chain (``profile`` selects a shared-config profile). ``anonymous=None`` signs when
+    credentials are found and sends unsigned requests otherwise; True/False force it.
+    Throttling and 5xx are retried ``retries`` times with exponential backoff.
+    """
+
+    def __init__(
+        self,
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        profile: str | None = None,
+        credentials: tuple[str, str] | None = None,
+        anonymous: bool | None = None,
+        addressing_style: str | None = None,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        max_connections: int = 64,
+        retries: int = 4,
+        backoff: float = 0.2,
+    ) -> None:
+        self.endpoint_url = endpoint_url
+        self.region = region
+        self.profile = profile
+        self.credentials = credentials
+        self.anonymous = anonymous
+        self.addressing_style = addressing_style or ("path" if endpoint_url else "auto")
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.max_connections = max_connections
+        self.retries = retries
+        self.backoff = backoff
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._client: Any = None
+        self._start_lock: asyncio.Lock | None = None
+
+    async def start(self) -> S3Upstream:
+        """Resolve credentials and open the connection pool."""
+        try:
+            from aiobotocore.config import AioConfig
+            from aiobotocore.session import AioSession
+        except ImportError as exc:
+            raise ConfigError(
+                "--upstream", "s3:// upstreams need aiobotocore: pip install 'shardcache[s3]'"
+            ) from exc
+        from botocore import UNSIGNED
+        from botocore.exceptions import ProfileNotFound
+
+        try:
+            session = AioSession(profile=self.profile)
+            anonymous = self.anonymous
+            if anonymous is None:
+                if self.credentials is not None:
+                    anonymous = False
+                else:
+                    anonymous = (await session.get_credentials()) is None
+                    if anonymous:
+                        log.info("no AWS credentials found: S3 requests go unsigned")
+        except ProfileNotFound as exc:
+            raise ConfigError("--s3-profile", str(exc)) from exc
+        config = AioConfig(
+            s3={"addressing_style": self.addressing_style},
+            retries={"total_max_attempts": 1},
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout,
+            max_pool_connections=self.max_connections,
+            signature_version=UNSIGNED if anonymous else None,
+            response_checksum_validation="when_required",
+        )
+        kwargs: dict[str, Any] = {"config": config}
+        if self.endpoint_url:
+            kwargs["endpoint_url"] = self.endpoint_url
+        if self.region:
+            kwargs["region_name"] = self.region
+        if self.credentials is not None and not anonymous:
+            kwargs["aws_access_key_id"], kwargs["aws_secret_access_key"] = self.credentials
+        stack = contextlib.AsyncExitStack()
+        try:
+            self._client = await stack.enter_async_context(session.create_client("s3", **kwargs))
+        except ValueError as exc:  # e.g. a malformed endpoint URL
+            await stack.aclose()
+            raise ConfigError("--s3-endpoint-url", str(exc)) from exc
+        self._stack = stack
+        return self
+
+    async def ensure_started(self) -> S3Upstream:
+        """Start on first use (safe to call concurrently)."""
+        if self._client is None:
+            if self._start_lock is None:
+                self._start_lock = asyncio.Lock()
+            async with self._start_lock:
+                if self._client is None:
+                    await self.start()
+        return self
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        if self._stack is not None:
+            await self._stack.aclose()
+            self._stack = None
+            self._client = None
+
+    async def __aenter__(self) -> S3Upstream:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def client(self) -> Any:
+        """The aiobotocore S3 client (after :meth:`start`)."""
+        if self._client is None:
+            raise RuntimeError("S3Upstream not started")
+        return self._client
+
+    async def _call(self, url: str, op: str, **params: Any) -> dict:
+        async def once() -> dict:
+            try:
+                return await getattr(self.client, op)(**params)
+            except Exception as exc:
+                raise botocore_error(url, exc, body=False) from exc
+
+        return await retrying(once, url, retries=self.retries, backoff=self.backoff)
+
+    async def head(
+        self, url: str, *, if_match: str | None = None, quoted: bool = False
+    ) -> ObjectMeta:
+        """HEAD ``s3://bucket/key``: size, ETag, Last-Modified, Content-Type."""
+        loc = parse_s3_url(url, quoted=quoted)
+        params: dict[str, Any] = {"Bucket": loc.bucket, "Key": loc.key}
+        if if_match:
+            params["IfMatch"] = if_match
+        resp = await self._call(url, "head_object", **params)
+        return ObjectMeta(
+            size=int(resp["ContentLength"]),
+            etag=resp.get("ETag"),
+            last_modified=_http_date(resp),
+            content_type=resp.get("ContentType"),
+            accept_ranges=True,
+        )
+
+    async def open(
+        self,
+        url: str,
+        range: tuple[int, int | None] | str | None = None,  # noqa: A002 - HTTP's name
+        if_match: str | None = None,
+        *,
+        quoted: bool = False,
+    ) -> S3Response:
+        """GET ``s3://bucket/key``, optionally a byte range and pinned to an ETag.
+
+        ``range`` is ``(first, last_inclusive_or_None)`` or a Range header value;
+        ``quoted`` as in :func:`parse_s3_url`. The returned response streams; close it
+        when done.
+        """
+        loc = parse_s3_url(url, quoted=quoted)
+        params: dict[str, Any] = {"Bucket": loc.bucket, "Key": loc.key}
+        header = format_range(range)
+        if header:
+            params["Range"] = header
+        if if_match:
+            params["IfMatch"] = if_match
+        resp = await self._call(url, "get_object", **params)
+        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 200)
+        length = int(resp["ContentLength"])
+        if status == 206 and resp.get("ContentRange"):
+            try:
+                start, _, size = parse_content_range(resp["ContentRange"])
+            except ValueError as exc:
+                resp["Body"].close()
+                raise UpstreamError(f"{url}: {exc}") from exc
+        else:
+            start, size = 0, length
+        etag = resp.get("ETag")
+        if if_match and etag and etag != if_match:
+            resp["Body"].close()
+            raise ObjectChanged(f"{url}: ETag changed from {if_match} to {etag}")
+        meta = ObjectMeta(
+            size=size,
+            etag=etag,
+            last_modified=_http_date(resp),
+            content_type=resp.get("ContentType"),
+            accept_ranges=True,
+        )
+        return S3Response(url, status, meta, start, length, resp["Body"])
+
+    async def list_objects_v2(self, bucket: str, **params: Any) -> dict:
+        """ListObjectsV2 on ``bucket`` with botocore's parameter names; keys come decoded."""
+        params = {k: v for k, v in params.items() if v is not None}
+        return await self._call(f"s3://{bucket}/", "list_objects_v2", Bucket=bucket, **params)
+
+
+class S3Transport:
+    """The upstream layer's requests answered by S3: HEAD, GET with ``Range`` and
+    ``If-Match`` (S3 has no ``If-Range``: a validator there is sent as ``If-Match``, so a
+    replaced object answers 412). URLs are the proxy's canonical ones (key segments
+    percent-encoded)."""
+
+    def __init__(self, s3: S3Upstream) -> None:
+        self.s3 = s3
+
+    async def request(self, method: str, url: str, headers: Mapping[str, str]) -> S3Response:
+        await self.s3.ensure_started()
+        if_match = headers.get("If-Match")
+        if if_match is None and (headers.get("If-Range") or "").startswith('"'):
+            if_match = headers["If-Range"]
+        if method == "HEAD" or "If-None-Match" in headers:
+            meta = await self.s3.head(url, if_match=if_match, quoted=True)
+            if headers.get("If-None-Match") in (meta.etag, "*"):
+                return S3Response(url, 304, meta, 0, 0)
+            return S3Response(url, 200, meta, 0, meta.size or 0)
+        try:
+            return await self.s3.open(url, headers.get("Range"), if_match, quoted=True)
+        except RangeNotSatisfiable:
+            meta = await self.s3.head(url, if_match=if_match, quoted=True)
+            return S3Response(url, 416, meta, 0, 0)
+        except ObjectChanged:
+            return S3Response(url, 412, ObjectMeta(size=None), 0, 0)
+
+    async def close(self) -> None:
+        await self.s3.close()
