@@ -32,10 +32,12 @@ from proxy.policy import (
     needs_revalidation,
     parse_range,
     range_applies,
+    should_admit,
 )
 from proxy.s3front import S3Front
 from proxy.storehealth import StoreHealth
 from proxy.upstream import Fetcher, ObjectMeta, S3Upstream, UpstreamBody
+from proxy.upstream.resume import can_resume
 from shardcache.errors import (
     BadRequest,
     CacheError,
@@ -355,6 +357,9 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                 continue
             if not request.app[HEALTH].writable:
                 return await _serve_bypass(request, url)
+            resp = await _serve_cold(request, url)
+            if resp is not None:
+                return resp
             claimed = False
             if s.workers > 1 and not _forwarded(request):
                 # one download per object across the workers of this port
@@ -653,6 +658,16 @@ async def _serve_download(request: web.Request, dl: Download, cache: str) -> web
     if request.method == "HEAD":
         await resp.write_eof()
         return resp
+    if (
+        brange is not None
+        and dl.state is State.STREAMING
+        and brange.start > dl.written + DIRECT_RANGE_AHEAD
+        and can_resume(meta)
+    ):
+        # far ahead of the download: read this version's bytes straight from the upstream
+        chunks = request.app[FETCHER].read_range(dl.url, brange.start, brange.end + 1, meta=meta)
+        await _send_chunks(request, resp, chunks, 0, brange.length, cache)
+        return resp
     m = request.app[METRICS]
 
     def first_byte() -> None:
@@ -707,35 +722,161 @@ async def _serve_bypass(
             return resp
         lo = brange.start if brange else 0
         hi = brange.end + 1 if brange else None
-        pos = 0
-        first = True
-        try:
-            async for chunk in body.chunks():
-                a, b = pos, pos + len(chunk)
-                pos = b
-                if b <= lo:
-                    continue
-                piece = chunk[max(0, lo - a) : (len(chunk) if hi is None else max(0, hi - a))]
-                if piece:
-                    if first:
-                        first = False
-                        request.app[METRICS].ttfb.labels(cache="BYPASS").observe(
-                            time.monotonic() - request[T_START]
-                        )
-                    await resp.write(piece)
-                    request[T_BYTES] += len(piece)
-                if hi is not None and pos >= hi:
-                    break
-        except (IncompleteDownloadError, ProxyError) as exc:
-            log.warning("aborting %s %s: %s", request.method, request.raw_path, exc)
-            request.app[METRICS].failed_downloads.inc()
-            _abort_client(request)
-            return resp
-        await resp.write_eof()
+        await _send_chunks(request, resp, body.chunks(), lo, hi, "BYPASS")
         return resp
     finally:
         if body is not None:
             body.close()
+
+
+async def _send_chunks(
+    request: web.Request,
+    resp: web.StreamResponse,
+    chunks: AsyncIterator[bytes],
+    lo: int,
+    hi: int | None,
+    cache: str,
+) -> None:
+    """Send bytes ``[lo, hi)`` of a stream of the object's bytes from byte 0 (``lo`` 0
+    and ``hi`` None for all of them) and end the response; abort the connection when the
+    stream fails, so a cut body never looks like a clean end."""
+    pos = 0
+    first = True
+    try:
+        async for chunk in chunks:
+            a, b = pos, pos + len(chunk)
+            pos = b
+            if b <= lo:
+                continue
+            piece = chunk[max(0, lo - a) : (len(chunk) if hi is None else max(0, hi - a))]
+            if piece:
+                if first:
+                    first = False
+                    request.app[METRICS].ttfb.labels(cache=cache).observe(
+                        time.monotonic() - request[T_START]
+                    )
+                await resp.write(piece)
+                request[T_BYTES] += len(piece)
+            if hi is not None and pos >= hi:
+                break
+    except (IncompleteDownloadError, ProxyError) as exc:
+        log.warning("aborting %s %s: %s", request.method, request.raw_path, exc)
+        request.app[METRICS].failed_downloads.inc()
+        _abort_client(request)
+        return
+    if hi is not None and pos < hi:
+        log.warning(
+            "aborting %s %s: upstream ended at byte %d", request.method, request.raw_path, pos
+        )
+        _abort_client(request)
+        return
+    await resp.write_eof()
+
+
+# ---------------------------------------------------------------------------------------
+# cold requests answered at their own cost
+
+DIRECT_RANGE_AHEAD = 4 << 20  # a range this far past a download's bytes is read directly
+
+_CONDITIONALS = (
+    "If-Range",
+    "If-Match",
+    "If-None-Match",
+    "If-Modified-Since",
+    "If-Unmodified-Since",
+)
+
+
+def _range_start(header: str) -> int | None:
+    """Where a single ``bytes=`` range starts (-1 for a suffix range); None when the
+    header is not one such range (several ranges, another unit: the download serves it)."""
+    unit, sep, spec = header.strip().partition("=")
+    if not sep or unit.strip().lower() != "bytes" or "," in spec:
+        return None
+    first = spec.partition("-")[0].strip()
+    if not first:
+        return -1
+    return int(first) if first.isdigit() else None
+
+
+async def _serve_cold(request: web.Request, url: str) -> web.StreamResponse | None:
+    """Answer a request for an object neither cached nor downloading without waiting
+    for a download: HEAD from an upstream HEAD; a Range that starts past the first few
+    MiB from a ranged upstream GET (a 416 from the object's size, with no body fetched),
+    the download of the whole object starting meanwhile. None: the caller starts (or
+    joins) the download as usual."""
+    if request.method == "HEAD":
+        try:
+            meta = await request.app[FETCHER].head(url)
+        except (UpstreamError, ProxyError) as exc:
+            if exc.status_hint in (405, 501):
+                return None  # an origin without HEAD: the download answers
+            raise
+        return await _answer_head(request, meta, "MISS")
+    header = request.headers.get("Range")
+    if request.method != "GET" or header is None:
+        return None
+    if any(h in request.headers for h in _CONDITIONALS):
+        return None
+    start = _range_start(header)
+    if start is None or 0 <= start < DIRECT_RANGE_AHEAD:
+        return None
+    answer = await request.app[FETCHER].open_range(url, header)
+    try:
+        meta = answer.meta
+        if should_admit(meta.size, request.app[INFLIGHT].cache_size):
+            await _start_background(request, url)
+        headers = _base_headers("MISS", meta.etag, meta.last_modified)
+        wanted = answer.wanted
+        resp = web.StreamResponse(headers=headers)
+        _prepare_headers(resp, meta.size, wanted, meta.content_type)
+        request[T_RESP] = resp
+        await resp.prepare(request)
+        if answer.brange is None:  # the upstream ignored Range: slice the whole object
+            lo, hi = wanted.start, wanted.end + 1
+        else:
+            lo, hi = 0, wanted.length
+        await _send_chunks(request, resp, answer.body.chunks(), lo, hi, "MISS")
+        return resp
+    finally:
+        answer.body.close()
+
+
+async def _answer_head(
+    request: web.Request, meta: ObjectMeta, cache: str
+) -> web.StreamResponse:
+    headers = _base_headers(cache, meta.etag, meta.last_modified)
+    cond, brange = _plan(request, meta.size, meta.etag, meta.last_modified)
+    if cond is not None:
+        return _not_modified(cond, headers)
+    resp = web.StreamResponse(headers=headers)
+    _prepare_headers(resp, meta.size, brange, meta.content_type)
+    request[T_RESP] = resp
+    await resp.prepare(request)
+    await resp.write_eof()
+    return resp
+
+
+async def _start_background(request: web.Request, url: str) -> None:
+    """Start downloading ``url`` for the cache (no client follows it), once per object
+    across the workers of this port."""
+    inflight = request.app[INFLIGHT]
+    if inflight.running(url):
+        return
+    claimed = False
+    if request.app[SETTINGS].workers > 1 and not _forwarded(request):
+        store = request.app[STORE]
+        try:
+            state, _ = await asyncio.to_thread(
+                store.claim, url, request.app[RUNTIME].get("internal_port")
+            )
+        except CacheError:
+            return
+        if state != "mine":
+            return
+        claimed = True
+    if not inflight.running(url):
+        inflight.start(url, claimed=claimed).release()
 
 
 # ---------------------------------------------------------------------------------------

@@ -388,6 +388,10 @@ class Inflight:
     def __len__(self) -> int:
         return len(self._downloads)
 
+    def running(self, url: str) -> bool:
+        """Whether a download of ``url`` is under way here."""
+        return url in self._downloads
+
     def get(self, url: str) -> Download | None:
         """The running download of ``url``, already acquired for the caller, or None."""
         dl = self._downloads.get(url)

@@ -34,7 +34,7 @@ from xml.etree import ElementTree as ET
 from aiohttp import web
 
 from proxy.upstream.s3 import S3Upstream, join_key, parse_s3_url
-from shardcache.errors import ProxyError
+from shardcache.errors import ProxyError, error_answer, s3_code_for_status
 
 log = logging.getLogger(__name__)
 
@@ -74,19 +74,6 @@ PRESIGN_PARAMS = frozenset(
         "X-Amz-Security-Token",
     }
 )
-STATUS_CODES = {
-    400: "InvalidRequest",
-    403: "AccessDenied",
-    404: "NoSuchKey",
-    405: "MethodNotAllowed",
-    412: "PreconditionFailed",
-    416: "InvalidRange",
-    500: "InternalError",
-    501: "NotImplemented",
-    502: "BadGateway",
-    503: "ServiceUnavailable",
-    504: "GatewayTimeout",
-}
 
 
 class S3Error(Exception):
@@ -394,12 +381,12 @@ class S3Front:
         except ProxyError as exc:
             if not s3ish:
                 raise
-            code = STATUS_CODES.get(exc.status_hint, "InternalError")
-            return self._error(request, exc.status_hint, code, str(exc), resource, request_id)
+            status, code = error_answer(exc)
+            return self._error(request, status, code, str(exc), resource, request_id)
         except web.HTTPException as exc:
             if not s3ish or exc.status < 400:
                 raise
-            code = STATUS_CODES.get(exc.status, "InternalError")
+            code = s3_code_for_status(exc.status)
             msg = exc.text or exc.reason
             return self._error(request, exc.status, code, msg, resource, request_id)
 

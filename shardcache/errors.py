@@ -59,6 +59,7 @@ __all__ = [
     "ObjectChanged",
     "DownloadFailed",
     "error_answer",
+    "s3_code_for_status",
 ]
 
 
@@ -277,8 +278,13 @@ _S3_CODES = {
 }
 
 
+def s3_code_for_status(status: int) -> str:
+    """The S3 error code that goes with an HTTP error status."""
+    return _S3_CODES.get(status, "InternalError")
+
+
 def error_answer(exc: ProxyError) -> tuple[int, str]:
     """What a client is told about ``exc``: the HTTP status and the S3 error code."""
     status = exc.status_hint
     code = type(exc).s3_code if status == type(exc).status_hint else None
-    return status, code or _S3_CODES.get(status, "InternalError")
+    return status, code or s3_code_for_status(status)
