@@ -23,7 +23,7 @@ Store failures: when the disk or index refuses a write mid-download (ENOSPC, EIO
 the download turns into *passthrough*: the partial file is discarded (its reservation
 released), and each client sends what it can from the bytes already written, then fetches
 the rest of its range from the upstream, verified to be the same version
-(:meth:`proxy.fetch.Fetcher.read_range`). An upstream that cannot prove that ends in an
+(:meth:`proxy.upstream.Fetcher.read_range`). An upstream that cannot prove that ends in an
 aborted connection, never in a short body or a splice of two versions.
 """
 

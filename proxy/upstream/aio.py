@@ -83,8 +83,8 @@ class AioResponse:
                 )
         self._resp.release()
 
-    def pump(self, fd: int, hasher: Any) -> AsyncIterator[int]:
-        return pump_chunks(self.chunks(), fd, hasher)
+    def pump(self, fd: int, hasher: Any, limit: int | None = None) -> AsyncIterator[int]:
+        return pump_chunks(self.chunks(), fd, hasher, limit)
 
     def close(self) -> None:
         self._resp.close()

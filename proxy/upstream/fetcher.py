@@ -11,6 +11,7 @@ worker threads (:mod:`.threaded`) or on the event loop (:mod:`.aio`), ``file://`
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,12 +21,12 @@ from proxy.policy import ByteRange, parse_range
 from proxy.upstream.aio import AioTransport
 from proxy.upstream.errors import REDIRECTS, UpstreamRedirect, status_error
 from proxy.upstream.file import FileTransport
-from proxy.upstream.parts import can_fetch_in_parts, parts_stream
+from proxy.upstream.parts import can_fetch_in_parts, parts_pump, parts_stream
 from proxy.upstream.resume import can_resume
 from proxy.upstream.s3 import S3Transport, S3Upstream
 from proxy.upstream.stream import Policy, UpstreamBody, read, retrying
 from proxy.upstream.threaded import ThreadTransport, threadable
-from proxy.upstream.transport import Response, Transport
+from proxy.upstream.transport import Response, Transport, pump_chunks
 from shardcache.errors import (
     NotFound,
     ProxyError,
@@ -40,6 +41,8 @@ __all__ = ["Fetcher", "RangeAnswer"]
 log = logging.getLogger(__name__)
 
 Observer = Callable[[str], None]
+
+PROC_FD = os.path.isdir("/proc/self/fd")  # parts written at their offsets need it
 
 
 def _noop(outcome: str) -> None:
@@ -91,7 +94,9 @@ class Fetcher:
         )
         self._threads = ThreadTransport(connect_timeout=connect_timeout, read_timeout=read_timeout)
         self._file = FileTransport(read_timeout=read_timeout, chunk_size=chunk_size)
-        self._s3 = S3Transport(s3) if s3 is not None else None
+        self._s3 = (
+            S3Transport(s3, threads=self._threads if threaded else None) if s3 is not None else None
+        )
 
     async def close(self) -> None:
         """Close the upstream connection pools."""
@@ -112,7 +117,7 @@ class Fetcher:
         if scheme == "file":
             return self._file
         if scheme in ("http", "https"):
-            if stream and self.threaded and not self._parts_for(scheme) and threadable(url):
+            if stream and self.threaded and threadable(url):
                 return self._threads
             return self._aio
         if scheme == "s3":
@@ -168,22 +173,20 @@ class Fetcher:
             # bytes are stored exactly as sent; a compressed representation is not a shard
             log.warning("upstream %s sent Content-Encoding %s", url, encoding)
         scheme = urlsplit(url).scheme.lower()
+        transport = self.transport(url, stream=True)
         if self._parts_for(scheme) and can_fetch_in_parts(meta, self.part_size):
-            transport = self.transport(url)
 
             def parts(sink: Any) -> Any:
-                return parts_stream(
-                    transport,
-                    url,
-                    meta,
-                    part_size=self.part_size,
-                    parallel=self.parallel,
-                    policy=self.policy,
-                    initial=resp,
-                )
+                kw = {"part_size": self.part_size, "parallel": self.parallel}
+                if sink is not None and sink[1] is None and PROC_FD:
+                    # straight into the file at each part's offset, nothing in memory
+                    return parts_pump(
+                        transport, url, meta, sink[0], policy=self.policy, initial=resp, **kw
+                    )
+                chunks = parts_stream(transport, url, meta, policy=self.policy, initial=resp, **kw)
+                return chunks if sink is None else pump_chunks(chunks, *sink)
 
-            return UpstreamBody(url, meta, parts, resp.close, pumps=False)
-        transport = self.transport(url, stream=True)
+            return UpstreamBody(url, meta, parts, resp.close)
 
         def whole(sink: Any) -> Any:
             return read(transport, url, meta, 0, None, self.policy, first=resp, sink=sink)

@@ -63,8 +63,8 @@ class FileResponse:
             raise file_error(self.url, exc, body=True) from exc
         self.close()
 
-    def pump(self, fd: int, hasher: Any) -> AsyncIterator[int]:
-        return pump_chunks(self.chunks(), fd, hasher)
+    def pump(self, fd: int, hasher: Any, limit: int | None = None) -> AsyncIterator[int]:
+        return pump_chunks(self.chunks(), fd, hasher, limit)
 
     def close(self) -> None:
         if self._fd is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from proxy.upstream.stream import Policy, read
@@ -26,6 +27,7 @@ __all__ = [
     "DEFAULT_PART_SIZE",
     "can_fetch_in_parts",
     "fetch_parts",
+    "parts_pump",
     "parts_stream",
     "plan_parts",
 ]
@@ -228,3 +230,82 @@ async def parts_stream(
             task.cancel()
         with contextlib.suppress(BaseException):
             await task
+
+
+async def parts_pump(
+    transport: Transport,
+    url: str,
+    meta: ObjectMeta,
+    fd: int,
+    *,
+    part_size: int = DEFAULT_PART_SIZE,
+    parallel: int = DEFAULT_PARALLEL,
+    policy: Policy = DEFAULT_POLICY,
+    initial: Response | None = None,
+) -> AsyncIterator[int]:
+    """The parts written straight into the file ``fd`` at their offsets, each through a
+    descriptor of its own (by the transport's worker thread where it has one), nothing
+    held in memory; yields how far the contiguous prefix of written bytes grew. Parts
+    start in order, up to ``parallel`` at once. Linux only (``/proc/self/fd``)."""
+    if meta.size is None:
+        raise ValueError(f"{url}: size unknown, cannot fetch in parts")
+    parts = plan_parts(meta.size, part_size)
+    got = [0] * len(parts)
+    wake = asyncio.Event()
+    quiet = Policy(policy.retries, policy.backoff, policy.observe)
+    state = {"next": 0}
+
+    async def fill(index: int) -> None:
+        start, end = parts[index]
+        pfd = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)  # its own file position
+        try:
+            os.lseek(pfd, start, os.SEEK_SET)
+            first = initial if index == 0 else None
+            stream = read(transport, url, meta, start, end, quiet, first=first, sink=(pfd, None))
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                async for n in stream:
+                    got[index] += n
+                    wake.set()
+        finally:
+            os.close(pfd)
+
+    async def worker() -> None:
+        while state["next"] < len(parts):
+            index = state["next"]
+            state["next"] += 1
+            await fill(index)
+
+    tasks = [asyncio.ensure_future(worker()) for _ in range(min(parallel, len(parts)))]
+    for t in tasks:
+        t.add_done_callback(lambda _: wake.set())  # a failure wakes the loop too
+    reported = 0
+    done_parts = 0
+    try:
+        while reported < meta.size:
+            await wake.wait()
+            wake.clear()
+            for t in tasks:
+                if t.done() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            while (
+                done_parts < len(parts)
+                and got[done_parts] == parts[done_parts][1] - parts[done_parts][0]
+            ):
+                done_parts += 1
+            frontier = (
+                meta.size if done_parts == len(parts) else parts[done_parts][0] + got[done_parts]
+            )
+            if frontier > reported:
+                if policy.on_bytes is not None:
+                    policy.on_bytes(frontier - reported)
+                yield frontier - reported
+                reported = frontier
+            if all(t.done() for t in tasks) and reported < meta.size:
+                raise UpstreamError(f"{url}: parts ended at byte {reported} of {meta.size}")
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if initial is not None:
+            initial.close()

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -25,7 +26,7 @@ from urllib.parse import unquote
 
 from multidict import CIMultiDict
 
-from proxy.upstream.errors import botocore_error
+from proxy.upstream.errors import botocore_error, s3_error
 from proxy.upstream.stream import retrying
 from proxy.upstream.transport import pump_chunks
 from shardcache.errors import (
@@ -167,8 +168,8 @@ class S3Response:
 
     iter_chunks = chunks
 
-    def pump(self, fd: int, hasher: Any) -> AsyncIterator[int]:
-        return pump_chunks(self.chunks(), fd, hasher)
+    def pump(self, fd: int, hasher: Any, limit: int | None = None) -> AsyncIterator[int]:
+        return pump_chunks(self.chunks(), fd, hasher, limit)
 
     def close(self) -> None:
         if self._body is not None:
@@ -223,6 +224,7 @@ class S3Upstream:
         self._stack: contextlib.AsyncExitStack | None = None
         self._client: Any = None
         self._start_lock: asyncio.Lock | None = None
+        self._presigned: dict[str, tuple[float, str]] = {}
 
     async def start(self) -> S3Upstream:
         """Resolve credentials and open the connection pool."""
@@ -374,6 +376,22 @@ class S3Upstream:
         )
         return S3Response(url, status, meta, start, length, resp["Body"])
 
+    async def presign(self, url: str, *, quoted: bool = False) -> str:
+        """A URL that GETs ``url`` without further signing (valid an hour; reused for
+        half of that). Unsigned when the client sends unsigned requests."""
+        now = time.monotonic()
+        hit = self._presigned.get(url)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        loc = parse_s3_url(url, quoted=quoted)
+        signed = await self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": loc.bucket, "Key": loc.key}, ExpiresIn=3600
+        )
+        if len(self._presigned) > 4096:
+            self._presigned.clear()
+        self._presigned[url] = (now + 1800, signed)
+        return signed
+
     async def list_objects_v2(self, bucket: str, **params: Any) -> dict:
         """ListObjectsV2 on ``bucket`` with botocore's parameter names; keys come decoded."""
         params = {k: v for k, v in params.items() if v is not None}
@@ -384,10 +402,43 @@ class S3Transport:
     """The upstream layer's requests answered by S3: HEAD, GET with ``Range`` and
     ``If-Match`` (S3 has no ``If-Range``: a validator there is sent as ``If-Match``, so a
     replaced object answers 412). URLs are the proxy's canonical ones (key segments
-    percent-encoded)."""
+    percent-encoded).
 
-    def __init__(self, s3: S3Upstream) -> None:
+    With ``threads``, GETs go to a presigned URL (signing is local) over the threaded
+    transport: bodies are received by worker threads and spliced into the file, the
+    event loop never touches their bytes (aiobotocore's reads cost a core at the speeds
+    of a local S3). HEADs and listings stay with aiobotocore."""
+
+    def __init__(self, s3: S3Upstream, threads: Any = None) -> None:
         self.s3 = s3
+        self.threads = threads
+
+    async def _threaded_get(self, url: str, headers: Mapping[str, str]) -> Any:
+        signed = await self.s3.presign(url, quoted=True)
+        h = {k: v for k, v in headers.items() if k in ("Range", "If-Match")}
+        resp = await self.threads.request("GET", signed, h, label=url)
+        if resp.status < 400 or resp.status in (412, 416):
+            return resp
+        # an S3 error document: its code names the failure better than the status
+        body = b""
+        try:
+            async for chunk in resp.chunks():
+                body += chunk
+                if len(body) > 65536:
+                    break
+        except ProxyError:
+            pass
+        finally:
+            resp.close()
+        text = body.decode("utf-8", "replace")
+        code = re.search(r"<Code>([^<]*)</Code>", text)
+        message = re.search(r"<Message>([^<]*)</Message>", text)
+        raise s3_error(
+            url,
+            code.group(1) if code else "",
+            resp.status,
+            message.group(1) if message else resp.reason,
+        )
 
     async def request(self, method: str, url: str, headers: Mapping[str, str]) -> S3Response:
         await self.s3.ensure_started()
@@ -399,6 +450,10 @@ class S3Transport:
             if headers.get("If-None-Match") in (meta.etag, "*"):
                 return S3Response(url, 304, meta, 0, 0)
             return S3Response(url, 200, meta, 0, meta.size or 0)
+        if self.threads is not None:
+            return await self._threaded_get(
+                url, {**headers, **({"If-Match": if_match} if if_match else {})}
+            )
         try:
             return await self.s3.open(url, headers.get("Range"), if_match, quoted=True)
         except RangeNotSatisfiable:

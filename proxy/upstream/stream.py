@@ -128,7 +128,10 @@ async def read(
                     resp, _ = await ask(transport, url, meta, pos, end, policy)
                     if attempt:
                         policy.observe("resumed")
-                it = resp.pump(*sink) if sink is not None else resp.chunks()
+                if sink is not None:
+                    it = resp.pump(*sink, None if end is None else end - pos)
+                else:
+                    it = resp.chunks()
                 async with contextlib.aclosing(it):  # type: ignore[type-var]
                     async for item in it:
                         n = item if sink is not None else len(item)

@@ -255,11 +255,14 @@ class ThreadResponse:
                 return
             yield data  # type: ignore[misc]
 
-    async def pump(self, fd: int, hasher: Any) -> AsyncIterator[int]:
-        """Let a worker thread receive and write the whole body without stopping, and
-        yield the bytes written since the last step (one wake-up per batch at most);
-        raise what the thread raised once every byte it wrote is counted."""
+    async def pump(self, fd: int, hasher: Any, limit: int | None = None) -> AsyncIterator[int]:
+        """Let a worker thread receive and write the whole body (its first ``limit``
+        bytes) without stopping, and yield the bytes written since the last step (one
+        wake-up per batch at most); raise what the thread raised once every byte it wrote
+        is counted."""
         tr = self._tr
+        if limit is not None and tr.remaining is not None and tr.remaining > limit:
+            tr.remaining = limit  # a Content-Length body: stop after the part asked for
         loop = asyncio.get_running_loop()
         pending = 0
         wake = asyncio.Event()
@@ -317,7 +320,7 @@ class ThreadTransport:
             # Its own pool: a thread blocked on a slow upstream must not starve the store's
             # and the readers' to_thread calls on the default executor.
             self._pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=64, thread_name_prefix="upstream"
+                max_workers=128, thread_name_prefix="upstream"
             )
         return self._pool
 
@@ -350,8 +353,12 @@ class ThreadTransport:
             raise
         return _ThreadedResponse(conn, resp)
 
-    async def request(self, method: str, url: str, headers: Mapping[str, str]) -> ThreadResponse:
+    async def request(
+        self, method: str, url: str, headers: Mapping[str, str], *, label: str | None = None
+    ) -> ThreadResponse:
+        """``label``: the URL to name in errors (a presigned URL carries a signature)."""
         h = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity", **headers}
+        name = label or url
         loop = asyncio.get_running_loop()
         pool = self._executor()
         fut = loop.run_in_executor(pool, self._blocking_request, method, url, h)
@@ -361,10 +368,10 @@ class ThreadTransport:
             fut.add_done_callback(_close_result)
             raise
         except _ConnectError as exc:
-            raise socket_error(url, exc.__cause__, body=False, connecting=True) from exc  # type: ignore[arg-type]
+            raise socket_error(name, exc.__cause__, body=False, connecting=True) from exc  # type: ignore[arg-type]
         except (OSError, http.client.HTTPException) as exc:
-            raise socket_error(url, exc, body=False) from exc
-        return ThreadResponse(url, tr, pool)
+            raise socket_error(name, exc, body=False) from exc
+        return ThreadResponse(name, tr, pool)
 
     async def close(self) -> None:
         if self._pool is not None:

@@ -40,9 +40,10 @@ class Response(Protocol):
         """The body; iterate once (this or :meth:`pump`)."""
         ...
 
-    def pump(self, fd: int, hasher: Any) -> AsyncIterator[int]:
-        """Write the body to ``fd`` (feeding ``hasher``), yielding each batch's size once
-        written. A failed write raises OSError (a local failure, never resumed)."""
+    def pump(self, fd: int, hasher: Any, limit: int | None = None) -> AsyncIterator[int]:
+        """Write the body (its first ``limit`` bytes, when given) to ``fd`` at its
+        position, feeding ``hasher``; yield each batch's size once written. A failed
+        write raises OSError (a local failure, never resumed)."""
         ...
 
     def close(self) -> None:
@@ -60,10 +61,18 @@ class Transport(Protocol):
     async def close(self) -> None: ...
 
 
-async def pump_chunks(chunks: AsyncIterator[bytes], fd: int, hasher: Any) -> AsyncIterator[int]:
+async def pump_chunks(
+    chunks: AsyncIterator[bytes], fd: int, hasher: Any, limit: int | None = None
+) -> AsyncIterator[int]:
     """:meth:`Response.pump` for a body that only yields chunks: each written off the
     event loop."""
     loop = asyncio.get_running_loop()
+    left = limit
     async for chunk in chunks:
+        if left is not None:
+            chunk = chunk[:left]
+            left -= len(chunk)
         await loop.run_in_executor(None, write_all, fd, chunk, hasher)
         yield len(chunk)
+        if left == 0:
+            break
