@@ -26,7 +26,10 @@ USER_AGENT = f"shardcache/{__version__}"
 
 
 class _Handler(ResponseHandler):
-    """aiohttp's protocol, remembering the error a connection was lost with."""
+    """aiohttp's protocol, remembering the error a connection was lost with, and
+    failing the body being read when the response cannot be parsed (aiohttp puts a
+    framing error such as a bad chunk-size line only on the connection and stops the
+    read timeout, which leaves a reader of the body waiting forever)."""
 
     lost_error: BaseException | None = None
     lost = False
@@ -35,6 +38,12 @@ class _Handler(ResponseHandler):
         self.lost = True
         self.lost_error = exc
         super().connection_lost(exc)
+
+    def set_exception(self, exc: BaseException, *args: Any) -> None:
+        payload = self._payload
+        super().set_exception(exc, *args)
+        if payload is not None and not payload.is_eof():
+            payload.set_exception(aiohttp.ClientPayloadError(f"malformed response: {exc}"))
 
 
 class _Connector(aiohttp.TCPConnector):
