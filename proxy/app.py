@@ -35,6 +35,7 @@ from proxy.policy import (
     should_admit,
 )
 from proxy.s3front import S3Front
+from proxy.sendfile import send_file
 from proxy.storehealth import StoreHealth
 from proxy.upstream import Fetcher, ObjectMeta, S3Upstream, UpstreamBody
 from proxy.upstream.resume import can_resume
@@ -509,6 +510,30 @@ def _prepare_headers(
         resp.content_length = size
 
 
+async def _respond(
+    request: web.Request,
+    meta: ObjectMeta,
+    cache: str,
+    size: int | None,
+    extra: dict[str, str] | None = None,
+) -> tuple[web.StreamResponse, ByteRange | None]:
+    """Start the answer about version ``meta`` (``size`` bytes, None while unknown):
+    headers, conditionals and Range decided, the response prepared, with the byte range
+    to send (None: all). A conditional request answered without a body (304/412) gets
+    that response unprepared: the caller returns it as it is."""
+    headers = _base_headers(cache, meta.etag, meta.last_modified)
+    if extra:
+        headers.update(extra)
+    cond, brange = _plan(request, size, meta.etag, meta.last_modified)
+    if cond is not None:
+        return _not_modified(cond, headers), None
+    resp = web.StreamResponse(headers=headers)
+    _prepare_headers(resp, size, brange, meta.content_type)
+    request[T_RESP] = resp
+    await resp.prepare(request)
+    return resp, brange
+
+
 def _not_modified(status: int, headers: dict[str, str]) -> web.Response:
     if status == 304:
         return web.Response(status=304, headers=headers)
@@ -621,7 +646,9 @@ async def _send_file(
         raise ConnectionResetError("client gone")
     if request.app[RUNTIME]["sendfile"]:
         try:
-            sent = await loop.sendfile(transport, fobj, offset, count, fallback=False)
+            sent = await send_file(transport, fobj, offset, count)
+            if sent is None:
+                sent = await loop.sendfile(transport, fobj, offset, count, fallback=False)
             request[T_BYTES] += sent
             if sent < count:
                 _abort_client(request)  # the file shrank under us: never end cleanly
@@ -646,15 +673,10 @@ async def _serve_download(request: web.Request, dl: Download, cache: str) -> web
     if dl.state is State.BYPASS:
         return await _serve_bypass(request, dl.url, dl)
     meta = dl.meta
-    headers = _base_headers(cache, meta.etag, meta.last_modified)
     size = dl.known_size
-    cond, brange = _plan(request, size, meta.etag, meta.last_modified)
-    if cond is not None:
-        return _not_modified(cond, headers)
-    resp = web.StreamResponse(headers=headers)
-    _prepare_headers(resp, size, brange, meta.content_type)
-    request[T_RESP] = resp
-    await resp.prepare(request)
+    resp, brange = await _respond(request, meta, cache, size)
+    if not resp.prepared:
+        return resp
     if request.method == "HEAD":
         await resp.write_eof()
         return resp
@@ -707,16 +729,10 @@ async def _serve_bypass(
         body = (dl.take_bypass_body() if dl is not None else None) or await fetcher.open(url)
     try:
         meta: ObjectMeta = body.meta if body is not None else dl.meta  # type: ignore[union-attr]
-        headers = _base_headers("BYPASS", meta.etag, meta.last_modified)
-        if meta.cache_control:
-            headers["Cache-Control"] = meta.cache_control
-        cond, brange = _plan(request, meta.size, meta.etag, meta.last_modified)
-        if cond is not None:
-            return _not_modified(cond, headers)
-        resp = web.StreamResponse(headers=headers)
-        _prepare_headers(resp, meta.size, brange, meta.content_type)
-        request[T_RESP] = resp
-        await resp.prepare(request)
+        extra = {"Cache-Control": meta.cache_control} if meta.cache_control else None
+        resp, brange = await _respond(request, meta, "BYPASS", meta.size, extra)
+        if not resp.prepared:
+            return resp
         if body is None or request.method == "HEAD":
             await resp.write_eof()
             return resp
@@ -842,18 +858,10 @@ async def _serve_cold(request: web.Request, url: str) -> web.StreamResponse | No
         answer.body.close()
 
 
-async def _answer_head(
-    request: web.Request, meta: ObjectMeta, cache: str
-) -> web.StreamResponse:
-    headers = _base_headers(cache, meta.etag, meta.last_modified)
-    cond, brange = _plan(request, meta.size, meta.etag, meta.last_modified)
-    if cond is not None:
-        return _not_modified(cond, headers)
-    resp = web.StreamResponse(headers=headers)
-    _prepare_headers(resp, meta.size, brange, meta.content_type)
-    request[T_RESP] = resp
-    await resp.prepare(request)
-    await resp.write_eof()
+async def _answer_head(request: web.Request, meta: ObjectMeta, cache: str) -> web.StreamResponse:
+    resp, _ = await _respond(request, meta, cache, meta.size)
+    if resp.prepared:
+        await resp.write_eof()
     return resp
 
 
