@@ -631,10 +631,21 @@ async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse |
 
 
 async def _send_file(
-    request: web.Request, resp: web.StreamResponse, fobj: Any, offset: int, count: int
+    request: web.Request,
+    resp: web.StreamResponse,
+    fobj: Any,
+    offset: int,
+    count: int,
+    *,
+    threaded: bool = False,
 ) -> int:
     """Send ``count`` bytes of ``fobj`` from ``offset``: ``sendfile`` on a plain transport,
     else (TLS, no native sendfile, ``sendfile=False``) ``pread`` into ``resp.write``.
+    ``threaded``: each ``sendfile`` call on a worker thread (followers of a download: many
+    clients copying at once spread over the cores; measured 1.13 s against 1.50 s for 16
+    clients of one cold 256 MiB shard) rather than on the event loop (hits: one call
+    usually sends it all, and the thread hop costs more than it spreads: 1 MiB hits at
+    0.58x nginx threaded against 0.80x on the loop).
 
     Returns the bytes sent; fewer than ``count`` only when the file ended early, in which
     case the client connection has been aborted (never a clean end). The response must
@@ -646,7 +657,7 @@ async def _send_file(
         raise ConnectionResetError("client gone")
     if request.app[RUNTIME]["sendfile"]:
         try:
-            sent = await send_file(transport, fobj, offset, count)
+            sent = await send_file(transport, fobj, offset, count) if threaded else None
             if sent is None:
                 sent = await loop.sendfile(transport, fobj, offset, count, fallback=False)
             request[T_BYTES] += sent
@@ -703,7 +714,7 @@ async def _serve_download(request: web.Request, dl: Download, cache: str) -> web
     end = brange.end + 1 if brange else size
 
     async def send(fobj: Any, offset: int, count: int) -> int:
-        return await _send_file(request, resp, fobj, offset, count)
+        return await _send_file(request, resp, fobj, offset, count, threaded=True)
 
     # followers send the written prefix of the .part file straight from the page cache;
     # a chunked response (size unknown) needs the writer's framing, so it gets write()
