@@ -1,34 +1,47 @@
 """The caching proxy side by side with nginx ``proxy_cache`` and Varnish, on loopback.
 
-    python bench/proxy.py                                   # 16 x 64 MiB + 256 MiB, 3 rounds
-    python bench/proxy.py --shard-mib 16 --big-mib 64 --rounds 3   # quick
-    python bench/proxy.py --variants default,asyncio --json out.json
+    python bench/proxy.py                      # 16 x 64 MiB + 256 MiB, 5 rounds (~2.5 min)
+    python bench/proxy.py --quick              # the same sizes, 2 rounds (~1 min)
+    python bench/proxy.py --only cold,big --variants default,default+http-transport=aiohttp
+    python bench/proxy.py --shard-mib 16 --big-mib 64 --rounds 3   # the old quick size
 
 Every contender runs once per round, in turn, with the order alternating between rounds
 (interleaved, so drift in machine load hits them alike); figures are medians over rounds.
 
 - origin: nginx serving the generated shards with sendfile (an aiohttp origin when nginx
-  is not installed); its access log counts the bytes sent upstream.
+  is not installed); its access log counts the bytes sent upstream. The shards live on
+  tmpfs (``/dev/shm`` when it has room, ``--data-dir``), the caches on disk (``--dir``).
+- caches: the proxy (``--variants``), nginx ``proxy_cache`` (one worker,
+  ``proxy_cache_lock on``) and Varnish with file storage (``--varnish-storage``).
+- cold runs: the server is restarted on an empty cache, serves a 4 KiB warm-up object,
+  then ``sync`` and the page cache is dropped (root only; ``--no-drop-caches``), so every
+  system starts from a clean, synced disk and none pays for another's deferred writes.
+  After the run ``sync`` is timed again: that is the writeback the run left behind
+  (the proxy fsyncs each entry before its last byte; nginx and Varnish do not).
 - clients: one thread per client with a minimal HTTP/1.1 client that fetches its list
   of URLs over one keep-alive connection, discarding bodies with ``recv_into`` a 1 MiB
   buffer and checking status and length; time to first byte is to the first body byte.
   (``--client curl`` runs one curl process per client instead: on this 2-core machine
   curl's 16 KiB reads capped direct-from-origin at ~0.8 GB/s, the threads at ~1.3.)
   The direct-from-origin row is the ceiling the clients and loopback allow.
-- 1 warm throughput: 8 clients read the 16 shards (2 each) from a filled cache.
-- 2 cold throughput: the same with the cache wiped (server restarted on an empty
-  directory) before each round; nginx has ``proxy_cache_lock on``.
-- 3 coalescing: 16 clients start together on one cold big shard: wall time, median time
-  to first byte (curl's ``time_starttransfer``), bytes the origin sent.
-- 4 the proxy's peak RSS during 3 (``VmRSS`` sampled every 50 ms).
+
+Sections (``--only warm,cold,big``) and targets (the first variant is compared):
+
+- warm: 8 clients read the 16 shards (2 each) from a filled cache: >= 1.0x nginx.
+- cold (measure 1): the same, cold: >= 2.0x nginx, >= 1.5x Varnish.
+- big (measure 2): 16 clients start together on one cold 256 MiB shard: wall time
+  <= 0.8x Varnish, median time to first byte <= 50 ms, bytes the origin sent = 1.00x.
+- the proxy's peak RSS (``VmRSS`` every 50 ms) during cold and big runs: <= 150 MB.
+Each cold or big run also records the CPU seconds of the server's process group, of the
+origin and of the clients (this process).
 
 Proxy variants (``--variants``): ``default`` runs ``python -m shardcache serve`` as is
 (it uses uvloop when importable); ``asyncio`` hides uvloop from it; ``uvloop`` requires
 it; a ``:N`` suffix (e.g. ``asyncio:4``) sets the proxy's read/write chunk to N MiB by
 patching its settings at startup (the proxy has no flag for it); an ``@PYTHON`` suffix
-runs that variant with another interpreter (e.g. a wrapper that sets PYTHONPATH to try a
-change side by side). The first variant is the
-one compared against the targets.
+runs that variant with another interpreter (e.g. a wrapper that ``cd``s into a ``git
+archive`` of other code, to try a change side by side); ``+FLAG=VALUE`` suffixes add
+serve flags (``default+http-parts=on+http-transport=aiohttp``).
 """
 
 from __future__ import annotations
@@ -76,6 +89,28 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
             return
         time.sleep(0.05)
     raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def settle(drop: bool = True) -> float:
+    """Before a cold start: ``sync`` (so that no system pays for writes another one left
+    dirty), then drop the page cache when permitted (root) and ``drop`` is set. Returns the
+    seconds ``sync`` took, which is the writeback the previous run left behind."""
+    t = time.monotonic()
+    os.sync()
+    took = time.monotonic() - t
+    if drop:
+        try:
+            DROP_CACHES.write_text("3\n")
+        except OSError:
+            pass
+    return took
+
+
+def can_drop_caches() -> bool:
+    return os.access(DROP_CACHES, os.W_OK)
 
 
 def http_status(url: str, timeout: float = 2.0, method: str = "GET") -> int | None:
@@ -240,10 +275,16 @@ class Server:
     def wipe(self) -> None:
         """Remove the cache contents (server stopped)."""
 
-    def restart_cold(self) -> None:
+    def restart_cold(self, drop: bool = True, warmup: str | None = None) -> float:
+        """Stop, empty the cache, start; GET ``warmup`` (a tiny object, so lazy start-up
+        work such as imports is not timed); then ``settle``: sync and drop the page cache,
+        so the run starts from a clean disk. Returns the seconds ``sync`` took."""
         self.stop()
         self.wipe()
         self.start()
+        if warmup is not None:
+            http_status(self.base + warmup, timeout=30)
+        return settle(drop)
 
     @property
     def pid(self) -> int | None:
@@ -327,15 +368,29 @@ class AiohttpOrigin(Server):
         )
 
 
+def varnish_storage(spec: str, tmp: Path, nbytes: int) -> tuple[str, Path | None]:
+    """``-s`` argument for varnishd: ``file`` alone means a file in ``tmp`` sized for
+    ``nbytes`` of objects (returned too, so a cold restart deletes it); anything else
+    (``file,PATH,SIZE``, ``malloc,1G``) is passed as is."""
+    if spec == "file":
+        path = tmp / "storage" / "varnish.bin"
+        size_mib = int(nbytes * 1.25 / MIB) + 256
+        return f"file,{path},{size_mib}M", path
+    return spec, None
+
+
 class VarnishServer(Server):
-    def __init__(self, procs: Procs, tmp: Path, origin_port: int, storage: str):
-        super().__init__("varnish", procs, tmp)
+    def __init__(self, procs: Procs, tmp: Path, origin_port: int, storage: str, nbytes: int = 0):
+        self.storage, self.storage_file = varnish_storage(storage, tmp, nbytes)
+        kind = self.storage.split(",", 1)[0]
+        super().__init__(f"varnish ({kind})", procs, tmp)
         self.origin_port = origin_port
-        self.storage = storage
         self.port = free_port()
 
     def start(self) -> None:
         self.tmp.mkdir(parents=True, exist_ok=True)
+        if self.storage_file is not None:
+            self.storage_file.parent.mkdir(parents=True, exist_ok=True)
         vcl = self.tmp / "bench.vcl"
         vcl.write_text(VCL.format(origin=self.origin_port))
         self.log = self.tmp / "stderr.log"
@@ -355,6 +410,8 @@ class VarnishServer(Server):
 
     def wipe(self) -> None:
         shutil.rmtree(self.tmp / "work", ignore_errors=True)
+        if self.storage_file is not None:
+            self.storage_file.unlink(missing_ok=True)
 
 
 PROXY_WRAPPER = """
@@ -375,12 +432,42 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def variant_flags(variant: str) -> tuple[str, list[str]]:
+    """``asyncio+http-parts=on+http-transport=aiohttp`` -> (``asyncio``, serve flags
+    ``--http-parts on --http-transport aiohttp``)."""
+    base, *flags = variant.split("+")
+    extra: list[str] = []
+    for f in flags:
+        name, eq, value = f.partition("=")
+        if not name or not eq:
+            raise SystemExit(f"--variants: {f!r} in {variant!r} is not FLAG=VALUE")
+        extra += [f"--{name.lstrip('-')}", value]
+    return base, extra
+
+
 class ShardcacheServer(Server):
-    def __init__(self, procs: Procs, tmp: Path, upstream: str, variant: str, python: str):
+    """``python -m shardcache serve`` on a free port; ``variant`` as in ``--variants``;
+    ``args`` are more serve flags and ``env`` its environment, neither shown in its name."""
+
+    def __init__(
+        self,
+        procs: Procs,
+        tmp: Path,
+        upstream: str,
+        variant: str,
+        python: str,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ):
+        variant, self.extra = variant_flags(variant)
+        flags_label = " ".join(self.extra)
+        self.extra += args or []
+        self.env = env
         variant, _, python_override = variant.partition("@")
         mode, _, chunk = variant.partition(":")
         if python_override:
-            variant = f"{variant}@{python_override}"
+            short = Path(python_override)
+            variant = f"{variant}@{short.parent.name}/{short.name}"
         if mode not in ("default", "asyncio", "uvloop"):
             raise SystemExit(f"--variants: unknown variant {variant!r}")
         python = python_override or python
@@ -390,6 +477,8 @@ class ShardcacheServer(Server):
             variant = variant.replace(
                 "default", "uvloop" if probe.returncode == 0 else "asyncio", 1
             )
+        if flags_label:
+            variant = f"{variant} {flags_label}"
         super().__init__(f"shardcache[{variant}]", procs, tmp)
         self.upstream = upstream
         self.mode = mode
@@ -402,12 +491,12 @@ class ShardcacheServer(Server):
         self.log = self.tmp / "stderr.log"
         args = ["serve", "--upstream", self.upstream, "--cache-dir", str(self.tmp / "cache")]
         args += ["--cache-size", "100G", "--host", "127.0.0.1", "--port", str(self.port)]
-        args += ["--log-level", "warning", "--grace-period", "2"]
+        args += ["--log-level", "warning", "--grace-period", "2", *self.extra]
         if self.mode == "default" and not self.chunk:
             argv = [self.python, "-m", "shardcache", *args]
         else:
             argv = [self.python, "-c", PROXY_WRAPPER, self.mode, str(self.chunk), *args]
-        self.proc = self.procs.start(argv, self.log)
+        self.proc = self.procs.start(argv, self.log, env=self.env)
         wait_until(
             lambda: (
                 check_alive(self.proc, self.name, self.log)
@@ -455,6 +544,8 @@ class HttpConn:
         self.sock.settimeout(timeout)
         self.pending = b""
         self.closing = False
+        self.headers: dict[str, str] = {}
+        self.t_status = 0.0
         self.buf = bytearray(1 << 20)
         self.view = memoryview(self.buf)
 
@@ -488,19 +579,28 @@ class HttpConn:
             got += k
         return got
 
-    def get(self, path: str) -> tuple[int, int, float | None]:
-        """(status, body bytes, monotonic time of the first body byte)."""
-        req = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: bench\r\n\r\n"
+    def get(
+        self, path: str, headers: dict[str, str] | None = None, method: str = "GET"
+    ) -> tuple[int, int, float | None]:
+        """(status, body bytes, monotonic time of the first body byte). The response's
+        headers (lower-case names) are left in ``self.headers`` and the time its status
+        line arrived in ``self.t_status``."""
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        req = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: bench\r\n{extra}\r\n"
         self.sock.sendall(req.encode())
         status = int(self._line().split()[1])
-        headers = {}
+        self.t_status = time.monotonic()
+        h: dict[str, str] = {}
+        self.headers = h
         while line := self._line():
             k, _, v = line.decode("latin-1").partition(":")
-            headers[k.strip().lower()] = v.strip()
+            h[k.strip().lower()] = v.strip()
         first: list[float] = []
-        if "content-length" in headers:
-            n = self._discard(int(headers["content-length"]), first)
-        elif headers.get("transfer-encoding", "").lower() == "chunked":
+        if method == "HEAD" or status in (204, 304):
+            n = 0
+        elif "content-length" in h:
+            n = self._discard(int(h["content-length"]), first)
+        elif h.get("transfer-encoding", "").lower() == "chunked":
             n = 0
             while True:
                 size = int(self._line().split(b";")[0], 16)
@@ -512,7 +612,7 @@ class HttpConn:
                 self._line()
         else:
             raise ConnectionError(f"{path}: neither Content-Length nor chunked")
-        self.closing = headers.get("connection", "").lower() == "close"
+        self.closing = h.get("connection", "").lower() == "close"
         return status, n, first[0] if first else None
 
 
@@ -708,16 +808,120 @@ def throughput_plan(servers: dict[str, Server], names: list[str], clients: int) 
     }
 
 
-def bench(args: argparse.Namespace, tmp: Path, procs: Procs) -> dict:
+def tmpfs_parent(need: int, fallback: str | None) -> str | None:
+    """Where the origin's data goes: ``/dev/shm`` when it is writable with room for
+    ``need`` bytes twice over (dropping the page cache before each cold start then leaves
+    the origin's files in RAM, so every system reads the same fast origin and only the
+    caches touch the disk), else ``fallback``."""
+    shm = "/dev/shm"
+    try:
+        st = os.statvfs(shm)
+    except OSError:
+        return fallback
+    if os.access(shm, os.W_OK) and st.f_bavail * st.f_frsize > 2 * need:
+        return shm
+    return fallback
+
+
+SECTIONS = ("warm", "cold", "big")
+WARMUP = "warmup.bin"  # a tiny object each cache serves once before a timed cold run
+
+# the issue's targets, compared against the first proxy variant
+TARGETS = {
+    "warm_vs_nginx": 1.0,  # >=
+    "cold_vs_nginx": 2.0,  # >=
+    "cold_vs_varnish": 1.5,  # >=
+    "big_wall_vs_varnish": 0.8,  # <=
+    "big_ttfb_s": 0.050,  # <=
+    "rss_mb": 150.0,  # <=
+}
+
+
+def group_cpu_seconds(pgid: int | None) -> float:
+    """User + system CPU seconds of every live process in process group ``pgid`` (each
+    server this script starts leads its own group: nginx's master and workers, varnishd's
+    manager and child, the proxy and its threads)."""
+    if pgid is None:
+        return 0.0
+    ticks = 0
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cold_run(
+    s: Server,
+    plan: list[list[str]],
+    sizes: dict[str, int],
+    args: argparse.Namespace,
+    origin: Server,
+) -> dict:
+    """One timed cold run of ``s``: restart on an empty cache, serve the warm-up object,
+    sync and drop the page cache, run the clients (sampling the proxy's RSS), then sync
+    again. Returns the clients' figures plus ``writeback`` (the seconds the second sync
+    took: the writes the run left behind), ``rss_mib`` (peak, shardcache only) and the
+    CPU seconds the server (``cpu``), the origin (``origin_cpu``) and this script's
+    clients (``client_cpu``) used during the run."""
+    s.restart_cold(args.drop_caches, "/" + WARMUP)
+    pid = s.pid
+    sampler = RssSampler(pid) if isinstance(s, ShardcacheServer) and pid else None
+    cpu0, ocpu0 = group_cpu_seconds(pid), group_cpu_seconds(origin.pid)
+    self0 = os.times()
+    with sampler or contextlib.nullcontext():
+        m = run_clients(plan, sizes, args.timeout, args.client)
+    self1 = os.times()
+    m["cpu"] = group_cpu_seconds(pid) - cpu0
+    m["origin_cpu"] = group_cpu_seconds(origin.pid) - ocpu0
+    m["client_cpu"] = (self1.user - self0.user) + (self1.system - self0.system)
+    m["writeback"] = settle(drop=False)
+    m["rss_mib"] = sampler.peak_kib / 1024 if sampler else None
+    return m
+
+
+def run_notes(m: dict, nbytes: int) -> str:
+    """The per-round line's tail: upstream bytes, writeback, CPU seconds, peak RSS."""
+    out = (
+        f"upstream {m['upstream'] / nbytes:.2f}x, writeback after {m['writeback']:.2f} s, "
+        f"CPU s server {m['cpu']:.2f} origin {m['origin_cpu']:.2f} "
+        f"clients {m['client_cpu']:.2f}"
+    )
+    if m["rss_mib"] is not None:
+        out += f", peak RSS {m['rss_mib']:.0f} MiB"
+    return out
+
+
+def run_medians(runs: list[dict]) -> dict:
+    rss = [m["rss_mib"] for m in runs if m["rss_mib"] is not None]
+    return {
+        "writeback_s": median([m["writeback"] for m in runs]),
+        "cpu_s": median([m["cpu"] for m in runs]),
+        "origin_cpu_s": median([m["origin_cpu"] for m in runs]),
+        "client_cpu_s": median([m["client_cpu"] for m in runs]),
+        "rss_mib": max(rss) if rss else None,
+    }
+
+
+def bench(args: argparse.Namespace, tmp: Path, data: Path, procs: Procs) -> dict:
     have_nginx = os.access(NGINX, os.X_OK) and not args.no_nginx
     have_varnish = os.access(VARNISHD, os.X_OK) and not args.no_varnish
     if not have_nginx:
         say(f"nginx not found at {NGINX} (or --no-nginx): aiohttp origin, no proxy_cache rows")
     if not have_varnish:
         say(f"varnishd not found at {VARNISHD} (or --no-varnish): no Varnish rows")
+    if args.drop_caches and not can_drop_caches():
+        say("cannot write /proc/sys/vm/drop_caches (not root?): cold starts only sync")
+        args.drop_caches = False
 
-    say(f"generating {args.shards} x {args.shard_mib} MiB + {args.big_mib} MiB in {tmp}/data")
-    sizes = make_data(tmp / "data", args.shards, args.shard_mib, args.big_mib)
+    say(f"generating {args.shards} x {args.shard_mib} MiB + {args.big_mib} MiB in {data}")
+    sizes = make_data(data, args.shards, args.shard_mib, args.big_mib)
+    (data / WARMUP).write_bytes(os.urandom(4096))
     shard_names = sorted(n for n in sizes if n.startswith("shard-"))
     big = "big-0000.tar"
 
@@ -726,11 +930,11 @@ def bench(args: argparse.Namespace, tmp: Path, procs: Procs) -> dict:
             "origin (nginx)",
             procs,
             tmp / "origin",
-            ORIGIN_SERVER.replace("{data}", str(tmp / "data")),
+            ORIGIN_SERVER.replace("{data}", str(data)),
             args.nginx_workers,
         )
     else:
-        origin = AiohttpOrigin(procs, tmp / "origin", tmp / "data")
+        origin = AiohttpOrigin(procs, tmp / "origin", data)
     origin.start()
     access_log: Path = origin.access_log  # type: ignore[attr-defined]
     upstream = origin.base
@@ -753,110 +957,111 @@ def bench(args: argparse.Namespace, tmp: Path, procs: Procs) -> dict:
             args.nginx_workers,
         )
     varnish = (
-        VarnishServer(procs, tmp / "varnish", origin.port, args.varnish_storage)
-        if (have_varnish)
+        VarnishServer(
+            procs, tmp / "varnish", origin.port, args.varnish_storage, sum(sizes.values())
+        )
+        if have_varnish
         else None
     )
 
     caches: dict[str, Server] = dict(proxies)
     if nginx_cache:
         caches[nginx_cache.name] = nginx_cache
+    if varnish:
+        caches[varnish.name] = varnish
     for s in caches.values():
         s.start()
     say("servers: " + ", ".join(f"{s.name} :{s.port}" for s in [origin, *caches.values()]))
+    say(
+        f"origin data in {data}; caches in {tmp}; before each cold run: sync"
+        + (" and drop the page cache" if args.drop_caches else "")
+    )
 
     timeout = args.timeout
     res: dict = {"config": vars(args) | {"sizes": sizes}, "warm": {}, "cold": {}, "big": {}}
-    tp_servers: dict[str, Server] = {"direct origin": origin, **caches}
-    plans = throughput_plan(tp_servers, shard_names, args.clients)
-
-    # -- 1 warm ---------------------------------------------------------------------------
-    say("filling caches for the warm rounds")
-    for label, s in caches.items():
-        run_clients(plans[label], sizes, timeout, args.client)
-        h = http_headers(f"{s.base}/{shard_names[0]}")
-        status = h.get("X-Cache") or h.get("X-Cache-Status")
-        if status != "HIT":
-            say(f"  warning: {label} answers {status!r} after filling, not HIT")
-    warm: dict[str, list[float]] = {k: [] for k in tp_servers}
-    for r in range(args.rounds):
-        for label in rotated(list(tp_servers), r):
-            m = run_clients(plans[label], sizes, timeout, args.client)
-            warm[label].append(m["gbps"])
-            say(f"  warm round {r + 1} {label:28s} {m['gbps']:6.2f} GB/s  ({m['wall']:.2f} s)")
-    res["warm"] = {k: {"rounds": v, "median_gbps": median(v)} for k, v in warm.items()}
-
-    # -- 2 cold ---------------------------------------------------------------------------
-    cold: dict[str, list[float]] = {k: [] for k in caches}
-    upstream_cold: dict[str, list[int]] = {k: [] for k in caches}
-    for r in range(args.rounds):
-        for label in rotated(list(caches), r):
-            s = caches[label]
-            s.restart_cold()
-            off = log_size(access_log)
-            m = run_clients(plans[label], sizes, timeout, args.client)
-            time.sleep(0.2)
-            up = sum(log_bytes(access_log, off, n) for n in shard_names)
-            cold[label].append(m["gbps"])
-            upstream_cold[label].append(up)
-            say(
-                f"  cold round {r + 1} {label:28s} {m['gbps']:6.2f} GB/s  ({m['wall']:.2f} s, "
-                f"upstream {up / sum(sizes[n] for n in shard_names):.2f}x)"
-            )
-    res["cold"] = {
-        k: {"rounds": v, "median_gbps": median(v), "upstream_bytes": upstream_cold[k]}
-        for k, v in cold.items()
-    }
-
-    # -- 3/4 many clients on one cold big shard ------------------------------------------
-    big_servers: dict[str, Server] = dict(proxies)
-    if varnish:
-        big_servers[varnish.name] = varnish
-    if nginx_cache:
-        big_servers[nginx_cache.name] = nginx_cache
-    big_res: dict[str, dict[str, list]] = {
-        k: {"wall": [], "ttfb": [], "upstream": [], "rss_mib": []} for k in big_servers
-    }
-    for r in range(args.rounds):
-        for label in rotated(list(big_servers), r):
-            s = big_servers[label]
-            s.restart_cold()
-            plan = [[f"{s.base}/{big}"] for _ in range(args.big_clients)]
-            off = log_size(access_log)
-            pid = s.pid
-            sampler = RssSampler(pid) if isinstance(s, ShardcacheServer) and pid else None
-            with sampler or contextlib.nullcontext():
-                m = run_clients(plan, sizes, timeout, args.client)
-            time.sleep(0.3)
-            up = log_bytes(access_log, off, big)
-            b = big_res[label]
-            b["wall"].append(m["wall"])
-            b["ttfb"].append(m["ttfb_median"])
-            b["upstream"].append(up)
-            extra = ""
-            if sampler:
-                b["rss_mib"].append(sampler.peak_kib / 1024)
-                metric = s.metric("shardcache_upstream_bytes_total")  # type: ignore[union-attr]
-                b.setdefault("metric_upstream", []).append(metric)
-                extra = f", peak RSS {sampler.peak_kib / 1024:.0f} MiB ({sampler.samples} samples)"
-            say(
-                f"  {args.big_clients} on one round {r + 1} {label:28s} wall {m['wall']:.2f} s, "
-                f"median TTFB {m['ttfb_median'] * 1000:.0f} ms, "
-                f"upstream {up / sizes[big]:.2f}x{extra}"
-            )
-    res["big"] = {
-        k: {
-            "rounds": v,
-            "wall": median(v["wall"]),
-            "ttfb": median(v["ttfb"]),
-            "upstream_ratio": max(v["upstream"]) / sizes[big],
-            "rss_mib": max(v["rss_mib"]) if v["rss_mib"] else None,
-        }
-        for k, v in big_res.items()
-    }
     res["head"] = head
     res["nginx"] = nginx_cache.name if nginx_cache else None
     res["varnish"] = varnish.name if varnish else None
+    tp_servers: dict[str, Server] = {"direct origin": origin, **caches}
+    plans = throughput_plan(tp_servers, shard_names, args.clients)
+    shard_bytes = sum(sizes[n] for n in shard_names)
+
+    # -- warm: 8 clients on a filled cache ------------------------------------------------
+    if "warm" in args.only:
+        say("filling caches for the warm rounds")
+        for label, s in caches.items():
+            run_clients(plans[label], sizes, timeout, args.client)
+            h = http_headers(f"{s.base}/{shard_names[0]}")
+            status = h.get("X-Cache") or h.get("X-Cache-Status")
+            if status != "HIT" and not (isinstance(s, VarnishServer) and "X-Varnish" in h):
+                say(f"  warning: {label} answers {status!r} after filling, not HIT")
+        warm: dict[str, list[float]] = {k: [] for k in tp_servers}
+        for r in range(args.rounds):
+            for label in rotated(list(tp_servers), r):
+                m = run_clients(plans[label], sizes, timeout, args.client)
+                warm[label].append(m["gbps"])
+                say(f"  warm round {r + 1} {label:28s} {m['gbps']:6.2f} GB/s  ({m['wall']:.2f} s)")
+        res["warm"] = {k: {"rounds": v, "median_gbps": median(v)} for k, v in warm.items()}
+
+    # -- cold: 8 clients, every cache restarted empty on a synced, dropped page cache -----
+    if "cold" in args.only:
+        cold: dict[str, list[dict]] = {k: [] for k in caches}
+        for r in range(args.rounds):
+            for label in rotated(list(caches), r):
+                off = log_size(access_log)
+                m = cold_run(caches[label], plans[label], sizes, args, origin)
+                time.sleep(0.2)
+                m["upstream"] = sum(log_bytes(access_log, off, n) for n in shard_names)
+                cold[label].append(m)
+                say(
+                    f"  cold round {r + 1} {label:28s} {m['gbps']:6.2f} GB/s  ({m['wall']:.2f} s, "
+                    + run_notes(m, shard_bytes)
+                    + ")"
+                )
+        res["cold"] = {
+            k: {
+                "rounds": [m["gbps"] for m in v],
+                "median_gbps": median([m["gbps"] for m in v]),
+                "upstream_bytes": [m["upstream"] for m in v],
+                "upstream_ratio": max(m["upstream"] for m in v) / shard_bytes,
+                **run_medians(v),
+            }
+            for k, v in cold.items()
+        }
+
+    # -- big: many clients on one cold big shard -------------------------------------------
+    if "big" in args.only:
+        big_servers: dict[str, Server] = dict(proxies)
+        if varnish:
+            big_servers[varnish.name] = varnish
+        if nginx_cache:
+            big_servers[nginx_cache.name] = nginx_cache
+        big_res: dict[str, list[dict]] = {k: [] for k in big_servers}
+        for r in range(args.rounds):
+            for label in rotated(list(big_servers), r):
+                s = big_servers[label]
+                plan = [[f"{s.base}/{big}"] for _ in range(args.big_clients)]
+                off = log_size(access_log)
+                m = cold_run(s, plan, sizes, args, origin)
+                time.sleep(0.3)
+                m["upstream"] = log_bytes(access_log, off, big)
+                if isinstance(s, ShardcacheServer):
+                    m["metric_upstream"] = s.metric("shardcache_upstream_bytes_total")
+                big_res[label].append(m)
+                say(
+                    f"  {args.big_clients} on one round {r + 1} {label:28s} wall {m['wall']:.2f} s, "
+                    f"median TTFB {m['ttfb_median'] * 1000:.0f} ms, " + run_notes(m, sizes[big])
+                )
+        res["big"] = {
+            k: {
+                "rounds": v,
+                "wall": median([m["wall"] for m in v]),
+                "ttfb": median([m["ttfb_median"] for m in v]),
+                "upstream_ratio": max(m["upstream"] for m in v) / sizes[big],
+                **run_medians(v),
+            }
+            for k, v in big_res.items()
+        }
     return res
 
 
@@ -868,74 +1073,117 @@ def fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def ratio(a: float | None, z: float | None) -> float | None:
+    return None if a is None or not z else a / z
+
+
+def target_row(
+    measure: str,
+    mine: str,
+    theirs: str,
+    r: float | None,
+    op: str,
+    target: float,
+    unit: str = "x",
+    spec: str = ".2f",
+) -> list[str]:
+    """One row of a targets table: ``r`` compared with ``target`` by ``op`` (>=, <= or =,
+    the last to two decimals)."""
+    if r is None:
+        ok = None
+    elif op == ">=":
+        ok = r >= target
+    elif op == "<=":
+        ok = r <= target
+    else:
+        ok = round(r, 2) == round(target, 2)
+    shown = "-" if r is None else f"{r:{spec}}{unit}"
+    return [measure, mine, theirs, shown, f"{op} {target:{spec}}{unit}", verdict(ok)]
+
+
 def table(res: dict, big_clients: int) -> list[list[str]]:
     """Rows: measure, shardcache, comparison, ratio, target, result."""
     head, ngx, var = res["head"], res["nginx"], res["varnish"]
-    b = res["big"]
+    clients = res["config"]["clients"]
+    T = TARGETS
     rows: list[list[str]] = []
-
-    def ratio(a: float | None, z: float | None) -> float | None:
-        return None if a is None or not z else a / z
-
-    for key, label, target in (
-        ("warm", "1 warm throughput", 1.0),
-        ("cold", "2 cold throughput", 1.2),
-    ):
-        mine = res[key][head]["median_gbps"]
-        theirs = res[key][ngx]["median_gbps"] if ngx else None
-        r = ratio(mine, theirs)
+    if res["warm"]:
+        mine = res["warm"][head]["median_gbps"]
+        theirs = res["warm"][ngx]["median_gbps"] if ngx else None
         rows.append(
-            [
-                f"{label}, {res['config']['clients']} clients",
+            target_row(
+                f"warm throughput, {clients} clients, vs nginx",
                 f"{mine:.2f} GB/s",
-                f"nginx {fmt(theirs, '.2f')} GB/s" if ngx else "nginx missing",
-                "-" if r is None else f"{r:.2f}x",
-                f">= {target:.1f}x",
-                verdict(None if r is None else r >= target),
-            ]
+                f"nginx {fmt(theirs, '.2f')} GB/s",
+                ratio(mine, theirs),
+                ">=",
+                T["warm_vs_nginx"],
+            )
         )
-    bh = b[head]
-    rows.append(
-        [
-            f"3 upstream bytes, {big_clients} clients on 1 cold shard",
-            f"{bh['upstream_ratio']:.2f}x shard",
-            f"varnish {b[var]['upstream_ratio']:.2f}x" if var else "varnish missing",
-            f"{bh['upstream_ratio']:.2f}x",
-            "= 1.00x",
-            verdict(abs(bh["upstream_ratio"] - 1.0) < 1e-6),
-        ]
-    )
-    rows.append(
-        [
-            "3 median time to first byte",
-            f"{bh['ttfb'] * 1000:.0f} ms",
-            f"varnish {b[var]['ttfb'] * 1000:.0f} ms" if var else "varnish missing",
-            f"{bh['ttfb']:.3f} s",
-            "<= 0.100 s",
-            verdict(bh["ttfb"] <= 0.1),
-        ]
-    )
-    wr = ratio(bh["wall"], b[var]["wall"]) if var else None
-    rows.append(
-        [
-            "3 wall time",
-            f"{bh['wall']:.2f} s",
-            f"varnish {b[var]['wall']:.2f} s" if var else "varnish missing",
-            "-" if wr is None else f"{wr:.2f}x",
-            "<= 1.00x",
-            verdict(None if wr is None else wr <= 1.0),
-        ]
-    )
-    rows.append(
-        [
-            "4 proxy peak RSS during 3",
-            f"{bh['rss_mib']:.0f} MiB",
-            "",
-            f"{bh['rss_mib'] * MIB / 1e6:.0f} MB",
-            "<= 150 MB",
-            verdict(bh["rss_mib"] * MIB / 1e6 <= 150),
-        ]
-    )
+    if res["cold"]:
+        mine = res["cold"][head]["median_gbps"]
+        for other, key in ((ngx, "cold_vs_nginx"), (var, "cold_vs_varnish")):
+            theirs = res["cold"][other]["median_gbps"] if other else None
+            rows.append(
+                target_row(
+                    f"1 cold throughput, {clients} clients, vs {other or 'missing'}",
+                    f"{mine:.2f} GB/s",
+                    f"{fmt(theirs, '.2f')} GB/s",
+                    ratio(mine, theirs),
+                    ">=",
+                    T[key],
+                )
+            )
+    b = res["big"]
+    if b:
+        bh = b[head]
+        vb = b[var] if var else None
+        rows.append(
+            target_row(
+                f"2 wall, {big_clients} clients on 1 cold shard, vs {var or 'missing'}",
+                f"{bh['wall']:.2f} s",
+                f"{vb['wall']:.2f} s" if vb else "-",
+                ratio(bh["wall"], vb["wall"] if vb else None),
+                "<=",
+                T["big_wall_vs_varnish"],
+            )
+        )
+        rows.append(
+            target_row(
+                "2 median time to first byte",
+                f"{bh['ttfb'] * 1000:.0f} ms",
+                f"{vb['ttfb'] * 1000:.0f} ms" if vb else "-",
+                bh["ttfb"],
+                "<=",
+                T["big_ttfb_s"],
+                " s",
+                ".3f",
+            )
+        )
+        rows.append(
+            target_row(
+                "2 upstream bytes / shard",
+                f"{bh['upstream_ratio']:.2f}x",
+                f"{vb['upstream_ratio']:.2f}x" if vb else "-",
+                bh["upstream_ratio"],
+                "=",
+                1.0,
+            )
+        )
+    rss = [x for k in ("cold", "big") for x in [res[k].get(head, {}).get("rss_mib")] if x]
+    if rss:
+        rows.append(
+            target_row(
+                "proxy peak RSS (cold and 16-on-one runs)",
+                f"{max(rss):.0f} MiB",
+                "",
+                max(rss) * MIB / 1e6,
+                "<=",
+                T["rss_mb"],
+                " MB",
+                ".0f",
+            )
+        )
     return rows
 
 
@@ -945,46 +1193,112 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+DETAIL_HEADER = [
+    "server",
+    "warm GB/s",
+    "cold GB/s",
+    "cold upstream x",
+    "cold CPU s (server/origin/clients)",
+    "cold writeback s",
+    "big wall s",
+    "big TTFB ms",
+    "big upstream x",
+    "big CPU s (server/origin/clients)",
+    "big writeback s",
+    "peak RSS MiB",
+]
+
+
+def cpu_cell(r: dict | None) -> str:
+    if not r:
+        return "-"
+    return f"{r['cpu_s']:.2f} / {r['origin_cpu_s']:.2f} / {r['client_cpu_s']:.2f}"
+
+
 def detail_rows(res: dict) -> list[list[str]]:
     """Every contender's medians (and the proxy variants against each other)."""
     rows = []
-    names = list(res["warm"]) + [k for k in res["big"] if k not in res["warm"]]
+    names: list[str] = []
+    for sec in ("warm", "cold", "big"):
+        names += [k for k in res[sec] if k not in names]
     for k in names:
         w = res["warm"].get(k, {}).get("median_gbps")
-        c = res["cold"].get(k, {}).get("median_gbps")
+        c = res["cold"].get(k)
         b = res["big"].get(k)
+        rss = [x for x in (c and c["rss_mib"], b and b["rss_mib"]) if x]
         rows.append(
             [
                 k,
                 fmt(w, ".2f"),
-                fmt(c, ".2f"),
+                fmt(c and c["median_gbps"], ".2f"),
+                fmt(c and c["upstream_ratio"], ".2f"),
+                cpu_cell(c),
+                fmt(c and c["writeback_s"], ".2f"),
                 fmt(b and b["wall"], ".2f"),
                 "-" if not b else f"{b['ttfb'] * 1000:.0f}",
                 "-" if not b else f"{b['upstream_ratio']:.2f}",
-                fmt(b and b["rss_mib"], ".0f"),
+                cpu_cell(b),
+                fmt(b and b["writeback_s"], ".2f"),
+                fmt(max(rss) if rss else None, ".0f"),
             ]
         )
     return rows
 
 
+def parse_sections(text: str, allowed: tuple[str, ...]) -> list[str]:
+    picked = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in picked if x not in allowed]
+    if bad or not picked:
+        raise argparse.ArgumentTypeError(f"pick from {','.join(allowed)} (got {text!r})")
+    return picked
+
+
+def default_python() -> str:
+    venv = ROOT / ".venv/bin/python"
+    return str(venv) if venv.exists() else sys.executable
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="2 rounds in place of 5 (same sizes; about a minute)",
+    )
+    p.add_argument(
+        "--only",
+        type=lambda t: parse_sections(t, SECTIONS),
+        default=list(SECTIONS),
+        help="sections to run, comma separated: warm,cold,big (default all)",
+    )
     p.add_argument("--shards", type=int, default=16, help="number of shards (default 16)")
-    p.add_argument("--shard-mib", type=float, default=64, help="shard size, MiB (default 64)")
-    p.add_argument("--big-mib", type=float, default=256, help="big shard size, MiB (default 256)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds per measure (default 3)")
+    p.add_argument("--shard-mib", type=float, default=None, help="shard size, MiB (default 64)")
+    p.add_argument("--big-mib", type=float, default=None, help="big shard size, MiB (default 256)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds per measure (5, quick 2)")
     p.add_argument("--clients", type=int, default=8, help="throughput clients (default 8)")
     p.add_argument("--big-clients", type=int, default=16, help="clients on the big shard (16)")
     p.add_argument(
         "--variants",
         default="default",
         help="proxy variants, comma separated: default, asyncio, uvloop, with optional "
-        ":MiB chunk size (e.g. asyncio:4) and @PYTHON interpreter; the first is compared to the targets",
+        ":MiB chunk size (e.g. asyncio:4), @PYTHON interpreter and +FLAG=VALUE serve flags "
+        "(e.g. asyncio+http-transport=aiohttp); the first is compared to the targets",
     )
     p.add_argument("--nginx-workers", type=int, default=1, help="nginx worker_processes (1)")
-    p.add_argument("--varnish-storage", default="malloc,1G", help="varnishd -s (malloc,1G)")
+    p.add_argument(
+        "--varnish-storage",
+        default="file",
+        help="varnishd -s: 'file' (default: a file in the temporary directory, sized for "
+        "the data, deleted on every cold restart), file,PATH,SIZE or malloc,SIZE",
+    )
     p.add_argument("--no-nginx", action="store_true", help="act as if nginx were missing")
     p.add_argument("--no-varnish", action="store_true", help="act as if varnishd were missing")
+    p.add_argument(
+        "--no-drop-caches",
+        dest="drop_caches",
+        action="store_false",
+        help="before each cold run only sync; by default also drop the page cache (root)",
+    )
     p.add_argument(
         "--client",
         choices=("socket", "curl"),
@@ -993,47 +1307,79 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "curl: one curl process per client",
     )
     p.add_argument("--timeout", type=float, default=300, help="bound on each client run, s")
-    p.add_argument("--dir", default=None, help="parent of the temporary directory")
+    p.add_argument("--dir", default=None, help="parent of the temporary directory (caches)")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="parent of the origin's data (default /dev/shm when it has room, else --dir)",
+    )
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument(
         "--python",
-        default=str(ROOT / ".venv/bin/python")
-        if (ROOT / ".venv/bin/python").exists()
-        else sys.executable,
+        default=default_python(),
         help="interpreter that runs the proxy (default .venv/bin/python)",
     )
     args = p.parse_args(argv)
+    defaults = {"shard_mib": 64.0, "big_mib": 256.0, "rounds": 2 if args.quick else 5}
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     if args.rounds < 1 or args.clients < 1 or args.big_clients < 1 or args.shards < 1:
         p.error("--rounds, --clients, --big-clients and --shards must be at least 1")
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if not os.access(CURL, os.X_OK):
-        print("curl is required for the clients", file=sys.stderr)
-        return 2
-    procs = Procs()
-    tmp = Path(tempfile.mkdtemp(prefix="shardcache-bench-", dir=args.dir))
+@contextlib.contextmanager
+def workdirs(args: argparse.Namespace, need: int, prefix: str):
+    """(tmp, data): a temporary directory for caches and logs under ``--dir`` and one for
+    the origin's data (tmpfs when it has room, see ``tmpfs_parent``); both removed after."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=args.dir))
+    parent = args.data_dir or tmpfs_parent(need, args.dir)
+    data_root = Path(tempfile.mkdtemp(prefix=prefix + "data-", dir=parent))
+    try:
+        yield tmp, data_root / "data"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(data_root, ignore_errors=True)
 
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGTERM, on_term)
     try:
-        res = bench(args, tmp, procs)
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not os.access(CURL, os.X_OK) and args.client == "curl":
+        print("curl is required for --client curl", file=sys.stderr)
+        return 2
+    procs = Procs()
+    need = int((args.shards * args.shard_mib + args.big_mib) * MIB)
+    t0 = time.monotonic()
+    try:
+        with sigterm_as_interrupt(), workdirs(args, need, "shardcache-bench-") as (tmp, data):
+            try:
+                res = bench(args, tmp, data, procs)
+            finally:
+                procs.stop_all()
     except KeyboardInterrupt:
         print("interrupted; cleaning up", file=sys.stderr)
         return 130
-    finally:
-        procs.stop_all()
-        shutil.rmtree(tmp, ignore_errors=True)
-        signal.signal(signal.SIGTERM, old)
+    res["elapsed_s"] = time.monotonic() - t0
 
     print()
     print(
         f"shards: {args.shards} x {args.shard_mib:g} MiB, big shard {args.big_mib:g} MiB, "
-        f"{args.rounds} rounds, medians; proxy variant {res['head']}"
+        f"{args.rounds} rounds, medians; proxy variant {res['head']}; "
+        f"page cache dropped before each cold run: {'yes' if args.drop_caches else 'no'}; "
+        f"took {res['elapsed_s']:.0f} s"
     )
     print(
         markdown(
@@ -1042,20 +1388,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print()
-    print(
-        markdown(
-            [
-                "server",
-                "warm GB/s",
-                "cold GB/s",
-                "big wall s",
-                "big TTFB ms",
-                "big upstream x",
-                "peak RSS MiB",
-            ],
-            detail_rows(res),
-        )
-    )
+    print(markdown(DETAIL_HEADER, detail_rows(res)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2, default=str)

@@ -1,49 +1,72 @@
-"""S3 figures of the proxy: cold reads against boto3, parallel parts against one stream,
-and the S3 front against plain HTTP on warm reads.
+"""S3 figures of the proxy: cold reads against boto3, and the S3 front against plain HTTP
+on warm reads.
 
-One run starts SeaweedFS (the ``weed`` binary of the test extra) on 127.0.0.1, uploads one
-object, and measures, interleaving the two sides of each comparison for ``--rounds``
-rounds and reporting medians:
+One run starts SeaweedFS (the ``weed`` binary of the test extra, its data on tmpfs when
+``/dev/shm`` has room, so dropping the page cache does not slow it) on 127.0.0.1,
+uploads one object of ``--size`` MiB, and measures, interleaving the two sides of each
+comparison for ``--rounds`` rounds and reporting medians:
 
-1. cold read of ``--size`` MiB through the proxy (``--upstream big=s3://...``, cache purged
-   before each round) vs boto3 ``download_fileobj`` straight from SeaweedFS;
-2. an HTTP origin that limits every connection to ``--rate`` MB/s: the proxy with parallel
-   ranged parts (``--http-parts on``, 8 x 8 MiB) vs one stream (``--http-parts off``),
-   ``--http-size`` MiB, cold each round;
-3. warm reads of the cached object: boto3 ``get_object`` through the proxy's S3 front vs a
-   plain HTTP GET from the proxy.
+1. cold: a read of the object through the proxy (``--upstream big=s3://...``, the entry
+   purged after each read once committed) vs boto3 ``download_fileobj`` straight from
+   SeaweedFS (its default transfer: 8 MiB parts, 10 threads). Before every read, of
+   either side: ``sync`` and drop the page cache (root only), so neither pays for the
+   other's writes. The proxy's peak RSS is sampled during its reads. Target: >= 1.0x.
+2. warm: reads of the cached object: boto3 ``get_object`` through the proxy's S3 front vs
+   a plain HTTP GET from the proxy (reported, no target).
 
-    .venv/bin/python bench/s3.py --size 256 --http-size 128 --rate 50 --rounds 3
+Parallel ranged parts against one stream from a throttled origin are measured by
+``bench/cold.py --only parts``.
+
+    .venv/bin/python bench/s3.py                 # 256 MiB, 9 cold rounds, 5 warm rounds
+    .venv/bin/python bench/s3.py --quick         # 256 MiB, 3 cold rounds, 2 warm rounds
+    .venv/bin/python bench/s3.py --variants default@/path/to/other/python
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import hashlib
-import http.client
 import io
+import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-sys.path.insert(0, str(HERE.parent / "tests" / "s3"))
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "s3"))
 
-from proxy_helpers import ProxyProcess  # noqa: E402
 from s3server import SeaweedS3  # noqa: E402
 
-MIB = 1024 * 1024
+from bench.proxy import (  # noqa: E402
+    MIB,
+    HttpConn,
+    Procs,
+    RssSampler,
+    ShardcacheServer,
+    can_drop_caches,
+    default_python,
+    group_cpu_seconds,
+    markdown,
+    parse_sections,
+    say,
+    settle,
+    sigterm_as_interrupt,
+    target_row,
+    workdirs,
+)
+
 BUCKET = "bench"
 KEY = "big/object.bin"
+PATH = "/big/object.bin"
 TOKEN = "bench-admin"
+SECTIONS = ("cold", "warm")
+TARGET_COLD = 1.0  # proxy / boto3 direct, >=
+TARGET_RSS_MB = 150.0  # <=
 
 
 class _Discard(io.RawIOBase):
@@ -54,29 +77,25 @@ class _Discard(io.RawIOBase):
         return len(b)
 
 
-def http_read(port: int, path: str) -> int:
-    """GET ``path`` from 127.0.0.1:``port``; read and drop the body; return its length."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request("GET", path)
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"GET {path}: {resp.status} {resp.read()[:200]!r}")
-    n = 0
-    while chunk := resp.read(MIB):
-        n += len(chunk)
-    conn.close()
+def http_read(port: int, path: str, timeout: float = 300) -> int:
+    """GET ``path`` from 127.0.0.1:``port``, discarding the body (``recv_into``); its length."""
+    conn = HttpConn("127.0.0.1", port, timeout)
+    try:
+        status, n, _ = conn.get(path)
+    finally:
+        conn.close()
+    if status != 200:
+        raise RuntimeError(f"GET {path}: HTTP {status}")
     return n
 
 
-def purge(proxy: ProxyProcess, path: str) -> None:
+def purge(base: str, path: str) -> None:
     """Drop ``path`` from the cache once its download is committed (bounded wait), so the
     next read is cold again."""
-    import json
-
     deadline = time.monotonic() + 10
     while True:
         req = urllib.request.Request(
-            f"{proxy.url}/-/cache?url={path}",
+            f"{base}/-/cache?url={path}",
             method="DELETE",
             headers={"Authorization": f"Bearer {TOKEN}"},
         )
@@ -96,120 +115,77 @@ def timed(fn: Callable[[], int], size: int) -> float:
     return size / dt / 1e6
 
 
-def interleave(rounds: int, a: Callable[[], float], b: Callable[[], float]) -> tuple[float, float]:
-    ra, rb = [], []
+def interleave(
+    rounds: int, sides: dict[str, Callable[[], float]], what: str
+) -> dict[str, list[float]]:
+    """Every side once per round, the order reversed every other round."""
+    res: dict[str, list[float]] = {k: [] for k in sides}
     for i in range(rounds):
-        ra.append(a())
-        rb.append(b())
-        print(f"  round {i + 1}: {ra[-1]:8.1f} MB/s vs {rb[-1]:8.1f} MB/s", flush=True)
-    return statistics.median(ra), statistics.median(rb)
+        order = list(sides) if i % 2 == 0 else list(reversed(sides))
+        for k in order:
+            res[k].append(sides[k]())
+        say(f"  {what} round {i + 1}: " + ", ".join(f"{k} {res[k][-1]:.1f} MB/s" for k in sides))
+    return res
 
 
-# --------------------------------------------------------------------------- throttled origin
-
-
-def serve_throttled(path: str, rate: float, port_file: str) -> None:
-    """An HTTP origin serving ``path`` as /obj.bin with Range and ETag, each connection
-    limited to ``rate`` MB/s."""
-    from aiohttp import web
-
-    data = Path(path).read_bytes()
-    etag = '"' + hashlib.md5(data).hexdigest() + '"'
-    chunk = 256 * 1024
-
-    async def handle(request: web.Request) -> web.StreamResponse:
-        headers = {"ETag": etag, "Accept-Ranges": "bytes"}
-        im = request.headers.get("If-Match")
-        if im and im != etag:
-            return web.Response(status=412)
-        first, last, status = 0, len(data) - 1, 200
-        rng = request.headers.get("Range")
-        if rng:
-            a, _, b = rng.removeprefix("bytes=").partition("-")
-            first, last, status = int(a), min(int(b) if b else len(data) - 1, len(data) - 1), 206
-            headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
-        headers["Content-Length"] = str(last - first + 1)
-        resp = web.StreamResponse(status=status, headers=headers)
-        await resp.prepare(request)
-        if request.method == "HEAD":
-            return resp
-        start = time.monotonic()
-        sent = 0
-        for pos in range(first, last + 1, chunk):
-            piece = data[pos : min(pos + chunk, last + 1)]
-            try:
-                await resp.write(piece)
-            except ConnectionResetError:  # the proxy took the first part of a GET and left
-                return resp
-            sent += len(piece)
-            ahead = sent / (rate * 1e6) - (time.monotonic() - start)
-            if ahead > 0:
-                await asyncio.sleep(ahead)
-        await resp.write_eof()
-        return resp
-
-    async def main() -> None:
-        app = web.Application()
-        app.router.add_route("*", "/obj.bin", handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        Path(port_file).write_text(str(port))
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
-
-
-def start_origin(path: Path, rate: float, work: Path) -> tuple[subprocess.Popen, int]:
-    port_file = work / "origin.port"
-    proc = subprocess.Popen(
-        [sys.executable, __file__, "--_origin", str(path), str(rate), str(port_file)]
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="3 cold rounds, 2 warm rounds")
+    ap.add_argument(
+        "--only",
+        type=lambda t: parse_sections(t, SECTIONS),
+        default=list(SECTIONS),
+        help="sections: cold,warm (default both)",
     )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if port_file.exists() and port_file.read_text():
-            return proc, int(port_file.read_text())
-        if proc.poll() is not None:
-            raise RuntimeError("throttled origin exited")
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("throttled origin did not start")
-
-
-# --------------------------------------------------------------------------- main
+    ap.add_argument("--size", type=int, default=256, help="object size, MiB (default 256)")
+    ap.add_argument("--rounds", type=int, default=None, help="cold rounds (9; quick 3)")
+    ap.add_argument("--warm-rounds", type=int, default=None, help="warm rounds (5; quick 2)")
+    ap.add_argument("--parallel", default="8", help="--parallel of the proxy (default 8)")
+    ap.add_argument("--part-size", default="8MiB", help="--part-size of the proxy (8MiB)")
+    ap.add_argument(
+        "--variants",
+        default="default",
+        help="proxy variants as in bench/proxy.py (e.g. default@/other/python); each is "
+        "one more side of the cold comparison; the first is compared to the target",
+    )
+    ap.add_argument(
+        "--no-drop-caches",
+        dest="drop_caches",
+        action="store_false",
+        help="before each cold read only sync; by default also drop the page cache (root)",
+    )
+    ap.add_argument("--dir", default=None, help="parent of the temporary directory (caches)")
+    ap.add_argument("--data-dir", default=None, help="parent of SeaweedFS's data (tmpfs)")
+    ap.add_argument("--python", default=default_python(), help="interpreter of the proxy")
+    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = ap.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 3 if args.quick else 9
+    if args.warm_rounds is None:
+        args.warm_rounds = 2 if args.quick else 5
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", type=int, default=256, help="S3 object size, MiB (default 256)")
-    ap.add_argument("--http-size", type=int, default=128, help="throttled object, MiB")
-    ap.add_argument("--rate", type=float, default=50.0, help="origin MB/s per connection")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--warm-rounds", type=int, default=5)
-    ap.add_argument("--parallel", default="8", help="--parallel of the S3 proxy (default 8)")
-    ap.add_argument("--part-size", default="8MiB", help="--part-size of the S3 proxy")
-    ap.add_argument("--_origin", nargs=3, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args._origin:
-        serve_throttled(args._origin[0], float(args._origin[1]), args._origin[2])
-        return 0
-
+    args = parse_args(argv)
+    if args.drop_caches and not can_drop_caches():
+        say("cannot write /proc/sys/vm/drop_caches (not root?): cold reads only sync")
+        args.drop_caches = False
     import boto3
     from botocore import UNSIGNED
     from botocore.config import Config
 
-    with tempfile.TemporaryDirectory(prefix="shardcache-bench-s3-") as tmp:
-        work = Path(tmp)
-        print("starting SeaweedFS...", flush=True)
-        seaweed = SeaweedS3.start(work / "seaweed")
-        procs: list[ProxyProcess] = []
-        origin: subprocess.Popen | None = None
+    t0 = time.monotonic()
+    size = args.size * MIB
+    procs = Procs()
+    res: dict = {"config": vars(args)}
+    rows: list[list[str]] = []
+    with sigterm_as_interrupt(), workdirs(args, 3 * size, "shardcache-s3-") as (tmp, data):
+        say(f"starting SeaweedFS in {data}...")
+        seaweed = SeaweedS3.start(data / "seaweed")
         try:
             s3 = seaweed.client()
             s3.create_bucket(Bucket=BUCKET)
-            size = args.size * MIB
             s3.upload_fileobj(io.BytesIO(os.urandom(size)), BUCKET, KEY)
             s3.put_object(Bucket=BUCKET, Key="big/warmup.bin", Body=b"x")
             env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
@@ -219,102 +195,162 @@ def main(argv: list[str] | None = None) -> int:
                 AWS_DEFAULT_REGION="us-east-1",
                 AWS_EC2_METADATA_DISABLED="true",
             )
-            common = ["--admin-token", TOKEN]
-            proxy = ProxyProcess(
-                work / "cache-s3",
-                "--upstream",
-                f"big=s3://{BUCKET}/big",
-                "--s3-endpoint-url",
-                seaweed.endpoint_url,
-                "--parallel",
-                args.parallel,
-                "--part-size",
-                args.part_size,
-                *common,
-                env=env,
-            ).start()
-            procs.append(proxy)
-            # The daemon is long-lived: its S3 client is up before the first shard.
-            http_read(proxy.port, "/big/warmup.bin")
+            flags = ["--s3-endpoint-url", seaweed.endpoint_url, "--admin-token", TOKEN]
+            flags += ["--parallel", args.parallel, "--part-size", args.part_size]
+            proxies: list[ShardcacheServer] = []
+            for i, v in enumerate(v for v in args.variants.split(",") if v.strip()):
+                px = ShardcacheServer(
+                    procs, tmp / f"proxy{i}", f"big=s3://{BUCKET}/big", v, args.python, flags, env
+                )
+                px.start()
+                # The daemon is long-lived: its S3 client is up before the first shard.
+                http_read(px.port, "/big/warmup.bin")
+                proxies.append(px)
+            head = proxies[0]
+            rss: dict[str, float] = {}
 
-            def via_proxy() -> float:
-                mbs = timed(lambda: http_read(proxy.port, "/big/object.bin"), size)
-                purge(proxy, "/big/object.bin")
+            # CPU seconds per cold read: the proxy, SeaweedFS, this process (the client)
+            cpu: dict[str, list[tuple[float, ...]]] = {}
+
+            def cpu_now(pid: int | None) -> tuple[float, float, float]:
+                t = os.times()
+                weed = group_cpu_seconds(seaweed.proc.pid)
+                return (group_cpu_seconds(pid), weed, t.user + t.system)
+
+            def with_cpu(name: str, pid: int | None, fn: Callable[[], float]) -> float:
+                before = cpu_now(pid)
+                mbs = fn()
+                after = cpu_now(pid)
+                cpu.setdefault(name, []).append(
+                    tuple(b - a for a, b in zip(before, after, strict=True))
+                )
                 return mbs
+
+            def via(px: ShardcacheServer) -> Callable[[], float]:
+                def run() -> float:
+                    settle(args.drop_caches)
+                    with RssSampler(px.pid) as sampler:  # type: ignore[arg-type]
+                        mbs = with_cpu(
+                            px.name, px.pid, lambda: timed(lambda: http_read(px.port, PATH), size)
+                        )
+                    rss[px.name] = max(rss.get(px.name, 0.0), sampler.peak_kib / 1024)
+                    purge(px.base, PATH)
+                    return mbs
+
+                return run
 
             def direct() -> float:
                 def run() -> int:
                     s3.download_fileobj(BUCKET, KEY, _Discard())
                     return size
 
-                return timed(run, size)
+                settle(args.drop_caches)
+                return with_cpu("boto3 direct", None, lambda: timed(run, size))
 
-            print(f"(1) cold read of {args.size} MiB: proxy vs boto3 download_fileobj direct")
-            p, d = interleave(args.rounds, via_proxy, direct)
-            print(f"    median {p:.1f} vs {d:.1f} MB/s: {p / d:.2f}x (target >= 1.0x)\n")
+            if "cold" in args.only:
+                say(f"(1) cold read of {args.size} MiB: proxy vs boto3 download_fileobj direct")
+                sides = {px.name: via(px) for px in proxies}
+                sides["boto3 direct"] = direct
+                cold = interleave(args.rounds, sides, "cold")
+                med = {k: statistics.median(v) for k, v in cold.items()}
+                cpu_med = {
+                    k: [statistics.median(x) for x in zip(*v, strict=True)] for k, v in cpu.items()
+                }
+                res["cold"] = {"rounds": cold, "median_mbs": med, "rss_mib": rss, "cpu": cpu}
+                d = med["boto3 direct"]
+                for k, (c_proxy, c_weed, c_self) in cpu_med.items():
+                    say(
+                        f"    {k}: median CPU s per read: proxy {c_proxy:.2f}, "
+                        f"SeaweedFS {c_weed:.2f}, client {c_self:.2f}"
+                    )
+                for px in proxies:
+                    say(
+                        f"    {px.name}: median {med[px.name]:.1f} vs {d:.1f} MB/s: "
+                        f"{med[px.name] / d:.2f}x (target >= {TARGET_COLD:.1f}x), "
+                        f"peak RSS {rss[px.name]:.0f} MiB"
+                    )
+                rows.append(
+                    target_row(
+                        f"cold {args.size} MiB s3:// read, proxy vs boto3 download_fileobj",
+                        f"{med[head.name]:.0f} MB/s",
+                        f"{d:.0f} MB/s",
+                        med[head.name] / d,
+                        ">=",
+                        TARGET_COLD,
+                    )
+                )
+                rows.append(
+                    target_row(
+                        "proxy peak RSS during its cold reads",
+                        f"{rss[head.name]:.0f} MiB",
+                        "",
+                        rss[head.name] * MIB / 1e6,
+                        "<=",
+                        TARGET_RSS_MB,
+                        " MB",
+                        ".0f",
+                    )
+                )
 
-            hsize = args.http_size * MIB
-            blob = work / "origin.bin"
-            blob.write_bytes(os.urandom(hsize))
-            origin, oport = start_origin(blob, args.rate, work)
-            up = f"http://127.0.0.1:{oport}"
-            par = ProxyProcess(
-                work / "cache-par", "--upstream", up, "--http-parts", "on", *common
-            ).start()
-            procs.append(par)
-            one = ProxyProcess(
-                work / "cache-one", "--upstream", up, "--http-parts", "off", *common
-            ).start()
-            procs.append(one)
+            if "warm" in args.only:
+                http_read(head.port, PATH)  # warm
+                front = boto3.client(
+                    "s3",
+                    endpoint_url=head.base,
+                    region_name="us-east-1",
+                    config=Config(signature_version=UNSIGNED, s3={"addressing_style": "path"}),
+                )
 
-            def cold(px: ProxyProcess) -> Callable[[], float]:
-                def run() -> float:
-                    mbs = timed(lambda: http_read(px.port, "/obj.bin"), hsize)
-                    purge(px, "/obj.bin")
-                    return mbs
+                def via_front() -> float:
+                    def run() -> int:
+                        body = front.get_object(Bucket="big", Key="object.bin")["Body"]
+                        n = 0
+                        while chunk := body.read(MIB):
+                            n += len(chunk)
+                        return n
 
-                return run
+                    return timed(run, size)
 
-            print(
-                f"(2) {args.http_size} MiB from an origin at {args.rate:g} MB/s per connection: "
-                "parallel parts (8 x 8 MiB) vs one stream"
-            )
-            p, o = interleave(args.rounds, cold(par), cold(one))
-            print(f"    median {p:.1f} vs {o:.1f} MB/s: {p / o:.2f}x (target >= 3x)\n")
+                def plain() -> float:
+                    return timed(lambda: http_read(head.port, PATH), size)
 
-            http_read(proxy.port, "/big/object.bin")  # warm
-            front = boto3.client(
-                "s3",
-                endpoint_url=proxy.url,
-                region_name="us-east-1",
-                config=Config(signature_version=UNSIGNED, s3={"addressing_style": "path"}),
-            )
-
-            def via_front() -> float:
-                def run() -> int:
-                    body = front.get_object(Bucket="big", Key="object.bin")["Body"]
-                    n = 0
-                    while chunk := body.read(MIB):
-                        n += len(chunk)
-                    return n
-
-                return timed(run, size)
-
-            def plain() -> float:
-                return timed(lambda: http_read(proxy.port, "/big/object.bin"), size)
-
-            print(f"(3) warm read of {args.size} MiB: boto3 via the S3 front vs plain HTTP GET")
-            f, h = interleave(args.warm_rounds, via_front, plain)
-            print(f"    median {f:.1f} vs {h:.1f} MB/s: {f / h:.2f}x\n")
+                say(f"(2) warm read of {args.size} MiB: boto3 via the S3 front vs plain HTTP GET")
+                warm = interleave(
+                    args.warm_rounds, {"S3 front": via_front, "plain GET": plain}, "warm"
+                )
+                f, h = (statistics.median(warm[k]) for k in ("S3 front", "plain GET"))
+                res["warm"] = {"rounds": warm, "median_mbs": {"S3 front": f, "plain GET": h}}
+                say(f"    median {f:.1f} vs {h:.1f} MB/s: {f / h:.2f}x\n")
+                rows.append(
+                    [
+                        f"warm {args.size} MiB: boto3 via the S3 front vs plain GET",
+                        f"{f:.0f} MB/s",
+                        f"{h:.0f} MB/s",
+                        f"{f / h:.2f}x",
+                        "(report)",
+                        "-",
+                    ]
+                )
         finally:
-            for px in procs:
-                px.stop()
-            if origin is not None:
-                origin.kill()
-                origin.wait(10)
+            procs.stop_all()
             seaweed.stop()
+    res["elapsed_s"] = time.monotonic() - t0
+    print()
+    print(
+        f"{args.rounds} cold / {args.warm_rounds} warm rounds, medians; proxy {head.name}; "
+        f"page cache dropped before each cold read: {'yes' if args.drop_caches else 'no'}; "
+        f"took {res['elapsed_s']:.0f} s"
+    )
+    print(markdown(["measure", "shardcache", "compared with", "ratio", "target", "result"], rows))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=2, default=str)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM; the finally blocks cleaned up
+        print("interrupted; cleaned up", file=sys.stderr)
+        raise SystemExit(130) from None
