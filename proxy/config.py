@@ -17,7 +17,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from proxy.policy import Upstream, parse_min_free, parse_revalidate, parse_size
-from proxy.upstream.s3 import parse_s3_url
+from proxy.upstream.s3url import parse_s3_url
 from shardcache.errors import BadRequest, ConfigError
 
 __all__ = ["Settings", "add_serve_arguments", "settings_from_args", "parse_settings", "ENV_PREFIX"]
@@ -73,8 +73,7 @@ _OPTIONS: tuple[tuple[str, str, str], ...] = (
     (
         "--workers",
         "workers",
-        "processes serving the port, one store; a miss still costs one upstream GET "
-        "(default 1)",
+        "processes serving the port, one store; a miss still costs one upstream GET (default 1)",
     ),
     ("--admin-token", "admin_token", "bearer token required by mutating admin routes"),
     ("--log-level", "log_level", "debug, info, warning, error (default info)"),

@@ -33,7 +33,8 @@ from xml.etree import ElementTree as ET
 
 from aiohttp import web
 
-from proxy.upstream.s3 import S3Upstream, join_key, parse_s3_url
+from proxy.upstream.s3 import S3Upstream
+from proxy.upstream.s3url import join_key, parse_s3_url
 from shardcache.errors import ProxyError, error_answer, s3_code_for_status
 
 log = logging.getLogger(__name__)
