@@ -51,6 +51,7 @@ from shardcache.errors import (
     StoreUnusable,
     StoreWriteError,
     UpstreamError,
+    error_answer,
 )
 from shardcache.store import Entry, Store, disk_full
 
@@ -263,9 +264,10 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
             headers = getattr(exc, "headers", None)
             if isinstance(exc, MethodNotAllowed):
                 headers = {"Allow": getattr(exc, "allow", "GET, HEAD")}
-            if exc.status_hint == 401:
+            status, _ = error_answer(exc)
+            if status == 401:
                 headers = {"WWW-Authenticate": 'Bearer realm="shardcache"'}
-            resp = _error_response(exc.status_hint, str(exc), headers)
+            resp = _error_response(status, str(exc), headers)
         except web.HTTPException as exc:
             resp = _error_response(exc.status, exc.text or exc.reason, None)
         except DownloadFailed as exc:  # failed before this response started

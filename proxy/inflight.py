@@ -148,6 +148,11 @@ class Download:
         self.state = State.DONE
         self._notify()
 
+    def ended(self) -> None:
+        """The download task is done with this download (whatever its state)."""
+        self._notify()
+        self.release()
+
     def to_failed(self, error: BaseException) -> None:
         """Only once the partial file is gone may clients see the failure."""
         self.error = error
@@ -505,8 +510,7 @@ class Inflight:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(asyncio.to_thread(self.store.release_claim, dl.url))
             m.downloads_in_progress.dec()
-            dl._notify()
-            dl.release()
+            dl.ended()
 
     async def _admit(self, dl: Download, meta: ObjectMeta) -> tuple[Partial | None, str]:
         """A partial file for the download, or None and why it is not cached."""
