@@ -257,6 +257,28 @@ def proxy(origin, transport, tmp_path):
         p.stop(timeout=10)
 
 
+def add_malformed_chunked(origin: BadOrigin, path: str, data: bytes, where: str, late: bool):
+    """Serve ``data`` at ``path`` with a ``zz`` chunk-size line: ``first``, on every
+    answer after 256 KiB of good chunks; ``ranged``, the first GET cut at 40 % and every
+    206 chunked with the bad line first. ``late``: the bad line 50 ms after what
+    precedes it, else in the same send()."""
+    v = Version(data, etag=ETAG_OLD, last_modified=LM_OLD)
+    if where == "first":
+        sc = origin.add(path, versions=[v], framing="chunked", bad_chunk_at=256 * KiB)
+    else:
+        sc = origin.add(
+            path,
+            versions=[v],
+            ranged_framing="chunked",
+            bad_chunk_at=0,
+            bad_chunk_on="ranged",
+            cut_at=CUT40,
+            cut_on="first",
+        )
+    sc.bad_chunk_delay = 0.05 if late else 0.0
+    return sc
+
+
 def tail_of(p: ProxyProcess) -> str:
     return p.log_text()[-3000:]
 
@@ -389,20 +411,7 @@ def test_malformed_chunked_body_fails_fast(origin, proxy, transport, where, late
     50 ms after it. Every client gets an error (or, where one could, the right bytes)
     within a few seconds, and no ``.part`` stays."""
     data = os.urandom(SIZE)
-    v = Version(data, etag=ETAG_OLD, last_modified=LM_OLD)
-    if where == "first":
-        sc = origin.add(NAME, versions=[v], framing="chunked", bad_chunk_at=256 * KiB)
-    else:
-        sc = origin.add(
-            NAME,
-            versions=[v],
-            ranged_framing="chunked",
-            bad_chunk_at=0,
-            bad_chunk_on="ranged",
-            cut_at=CUT40,
-            cut_on="first",
-        )
-    sc.bad_chunk_delay = 0.05 if late else 0.0
+    sc = add_malformed_chunked(origin, NAME, data, where, late)
     clients = [
         ("full", {}, None),
         ("full-2", {}, None),

@@ -30,6 +30,7 @@ from test_upstream_faults import (  # noqa: E402
     LM_OLD,
     SIZE,
     KiB,
+    add_malformed_chunked,
     check_rule,
     fetch,
     pinned,
@@ -150,20 +151,7 @@ def test_s3_malformed_chunked_body_fails_fast(origin, proxy, mode, where, late):
     it, or 50 ms after. Errors within a few seconds, no ``.part`` left, nothing
     committed."""
     data = os.urandom(SIZE)
-    v = Version(data, etag=ETAG_OLD, last_modified=LM_OLD)
-    if where == "first":
-        sc = origin.add(ORIGIN_PATH, versions=[v], framing="chunked", bad_chunk_at=256 * KiB)
-    else:
-        sc = origin.add(
-            ORIGIN_PATH,
-            versions=[v],
-            ranged_framing="chunked",
-            bad_chunk_at=0,
-            bad_chunk_on="ranged",
-            cut_at=CUT40,
-            cut_on="first",
-        )
-    sc.bad_chunk_delay = 0.05 if late else 0.0
+    sc = add_malformed_chunked(origin, ORIGIN_PATH, data, where, late)
     with concurrent.futures.ThreadPoolExecutor(2) as ex:
         futures = [ex.submit(fetch, proxy.port, PROXY_PATH, "GET", None, 10) for _ in range(2)]
         replies = [f.result(timeout=30) for f in futures]
