@@ -200,13 +200,6 @@ class Download:
         if not self.verified:
             raise DownloadFailed(self.url, self.error)
 
-    async def wait_settled(self) -> None:
-        """Wait until every byte is verified and the entry committed (or found
-        uncommittable); DownloadFailed if the bytes never verified."""
-        await self.wait_verified()
-        while self.state is State.STREAMING:
-            await self._wait()
-
     async def wait_finished(self) -> None:
         while not self.finished:
             await self._wait()

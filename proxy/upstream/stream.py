@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from proxy.upstream.errors import status_error
 from proxy.upstream.resume import next_try, range_headers, verify
-from proxy.upstream.transport import Response, Transport, pump_chunks
+from proxy.upstream.transport import Response, Transport
 from shardcache.errors import (
     IncompleteDownloadError,
     ProxyError,
@@ -191,14 +191,11 @@ class UpstreamBody:
         meta: ObjectMeta,
         stream: Callable[[tuple[int, Any] | None], AsyncIterator[Any]],
         close: Callable[[], None],
-        *,
-        pumps: bool = True,
     ) -> None:
         self.url = url
         self.meta = meta
         self._stream: Callable[[tuple[int, Any] | None], AsyncIterator[Any]] | None = stream
         self._close: Callable[[], None] | None = close
-        self._pumps = pumps
 
     def _take(self) -> Callable[[tuple[int, Any] | None], AsyncIterator[Any]]:
         if self._stream is None:
@@ -213,10 +210,7 @@ class UpstreamBody:
     def pump(self, fd: int, hasher: Any = None) -> AsyncIterator[int]:
         """Write the body to ``fd`` (and feed ``hasher``), yielding the count of each batch
         once written; a backend that receives in a worker thread writes there."""
-        stream = self._take()
-        if self._pumps:
-            return stream((fd, hasher))
-        return pump_chunks(stream(None), fd, hasher)
+        return self._take()((fd, hasher))
 
     def close(self) -> None:
         """Release the upstream connection (idempotent)."""
