@@ -26,6 +26,7 @@ ENV_PREFIX = "SHARDCACHE_"
 EVICTION_POLICIES = ("lru", "fifo", "keep")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_DOMAIN_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class Settings:
     s3_profile: str | None = None
     s3_front_access_key: str | None = None
     s3_front_secret_key: str | None = None
+    s3_domains: tuple[str, ...] = ("localhost",)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
     min_free: int | float | None = None  # bytes, a fraction, or None: 5%, at most 1 GiB
     revalidate: float | None = None  # None: never (immutable); 0: always; else max age s
     store_probe_interval: float = 5.0
@@ -128,6 +132,14 @@ _OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("--s3-profile", "s3_profile", "AWS shared-config profile for s3:// upstreams"),
     ("--s3-front-access-key", "s3_front_access_key", "access key S3 clients must sign with"),
     ("--s3-front-secret-key", "s3_front_secret_key", "secret key S3 clients must sign with"),
+    (
+        "--s3-domain",
+        "s3_domains",
+        "domains under which the S3 front answers virtual-hosted requests (Host: "
+        "BUCKET.DOMAIN), comma separated (default localhost)",
+    ),
+    ("--tls-cert", "tls_cert", "PEM certificate chain: serve HTTPS instead of HTTP"),
+    ("--tls-key", "tls_key", "PEM private key of --tls-cert"),
 )
 
 
@@ -321,6 +333,29 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
             kw[dest] = v
     if int(kw.get("workers", 1)) > 64:  # type: ignore[call-overload]
         raise ConfigError("--workers", f"must be at most 64 (got {kw['workers']})")
+    if (v := get("s3_domains")) is not None:
+        domains = tuple(d.strip().strip(".").lower() for d in _split_list(v) if d.strip("."))
+        for d in domains:
+            if not _DOMAIN_RE.match(d):
+                raise ConfigError("--s3-domain", f"not a domain name: {d!r}")
+        kw["s3_domains"] = domains
+    for dest, flag in (("tls_cert", "--tls-cert"), ("tls_key", "--tls-key")):
+        if (v := get(dest)) is not None:
+            path = Path(v).expanduser()
+            if not path.is_file() or not os.access(path, os.R_OK):
+                raise ConfigError(flag, f"{path} is not a readable file")
+            kw[dest] = path
+    if bool(kw.get("tls_cert")) != bool(kw.get("tls_key")):
+        raise ConfigError("--tls-key", "give both --tls-cert and --tls-key, or neither")
+    if kw.get("tls_cert"):
+        import ssl
+
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                kw["tls_cert"], kw["tls_key"]
+            )
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError("--tls-cert", f"cannot load the certificate and key: {exc}") from None
     access, secret = kw.get("s3_front_access_key"), kw.get("s3_front_secret_key")
     if access and not secret:
         raise ConfigError("--s3-front-secret-key", "required with --s3-front-access-key")
