@@ -126,8 +126,11 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
         access_key=settings.s3_front_access_key,
         secret_key=settings.s3_front_secret_key,
         region=settings.s3_region or "us-east-1",
+        domains=settings.s3_domains,
+        catch_all=any(not u.name for u in settings.upstreams),
     )
     app = web.Application(middlewares=[_observe, front.middleware], client_max_size=4 << 20)
+    app.on_response_prepare.append(front.on_prepare)
     app[S3_CLIENT] = s3
     app[SETTINGS] = settings
     app[METRICS] = ProxyMetrics()

@@ -32,6 +32,7 @@ from urllib.parse import quote
 from xml.etree import ElementTree as ET
 
 from aiohttp import web
+from yarl import URL
 
 from proxy.upstream.s3 import S3Upstream
 from proxy.upstream.s3url import join_key, parse_s3_url
@@ -50,6 +51,23 @@ __all__ = [
 ]
 
 S3_NS = "http://s3.amazonaws.com/doc/2006-03-01/"
+REQUEST_ID = web.RequestKey("s3_request_id", str)
+_BUCKET_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+LIST_PARAMS = frozenset(
+    {
+        "list-type",
+        "prefix",
+        "delimiter",
+        "marker",
+        "max-keys",
+        "encoding-type",
+        "continuation-token",
+        "start-after",
+        "fetch-owner",
+        "x-id",
+        "allow-unordered",
+    }
+)
 MAX_SKEW = dt.timedelta(minutes=15)
 MAX_PRESIGN_EXPIRES = 7 * 24 * 3600
 # Query parameters of GetObject/HeadObject that do not change the bytes served.
@@ -99,17 +117,48 @@ class FrontRequest:
     key: str = ""  # still percent-encoded as sent
 
 
-def classify_request(raw_path: str, buckets: Iterable[str]) -> FrontRequest:
-    """Classify a raw request path (no query) against the front's bucket names."""
+def classify_request(
+    raw_path: str,
+    buckets: Iterable[str],
+    host: str | None = None,
+    domains: Sequence[str] = (),
+) -> FrontRequest:
+    """Classify a raw request path (no query) against the front's bucket names.
+
+    With ``host`` under one of ``domains`` (``BUCKET.DOMAIN[:PORT]``, virtual-hosted
+    style) the bucket comes from the Host and the whole path is the key; a bucket the
+    front does not have is kind ``"nobucket"``. Otherwise the first path segment names
+    the bucket (path style)."""
     path = raw_path.partition("?")[0]
+    vbucket = virtual_bucket(host, domains)
+    if vbucket is not None:
+        if vbucket not in set(buckets):
+            return FrontRequest("nobucket", vbucket)
+        key = path[1:]
+        return FrontRequest("object", vbucket, key) if key else FrontRequest("bucket", vbucket)
     if path == "/":
         return FrontRequest("service")
     bucket, slash, key = path[1:].partition("/")
     if bucket not in set(buckets):
-        return FrontRequest("other")
+        return FrontRequest("other", bucket)
     if not key:
         return FrontRequest("bucket", bucket)
     return FrontRequest("object", bucket, key)
+
+
+def virtual_bucket(host: str | None, domains: Sequence[str]) -> str | None:
+    """The bucket a virtual-hosted ``Host`` names (``BUCKET.DOMAIN[:PORT]``), or None."""
+    if not host or not domains:
+        return None
+    name = host.strip().lower()
+    if name.startswith("["):
+        return None  # an IPv6 literal
+    name = name.rpartition(":")[0] if ":" in name else name
+    name = name.rstrip(".")
+    for domain in domains:
+        if name.endswith("." + domain) and len(name) > len(domain) + 1:
+            return name[: -len(domain) - 1]
+    return None
 
 
 def is_s3_request(headers: Mapping[str, str], query: Mapping[str, str]) -> bool:
@@ -129,9 +178,13 @@ def _int_param(query: Mapping[str, str], name: str, default: int, lo: int, hi: i
     return max(lo, min(hi, int(raw)))
 
 
-def list_params(query: Mapping[str, str], base_prefix: str) -> dict[str, Any]:
-    """botocore ListObjectsV2 parameters for a front listing of a bucket mapped to
-    ``base_prefix`` (``""`` or ``"data/"``) in the upstream bucket."""
+# past every key that starts with a common prefix: where a V1 listing resumes after one
+_AFTER_PREFIX = "\U0010ffff"
+
+
+def list_params(query: Mapping[str, str], base_prefix: str, v1: bool = False) -> dict[str, Any]:
+    """botocore ListObjectsV2 parameters for a front listing (V2, or V1 when ``v1``) of a
+    bucket mapped to ``base_prefix`` (``""`` or ``"data/"``) in the upstream bucket."""
     encoding = query.get("encoding-type")
     if encoding not in (None, "", "url"):
         raise S3Error(400, "InvalidArgument", f"invalid encoding-type {encoding!r}")
@@ -139,8 +192,16 @@ def list_params(query: Mapping[str, str], base_prefix: str) -> dict[str, Any]:
         "Prefix": base_prefix + query.get("prefix", ""),
         "MaxKeys": _int_param(query, "max-keys", 1000, 0, 1000),
     }
-    if query.get("delimiter"):
-        params["Delimiter"] = query["delimiter"]
+    delimiter = query.get("delimiter")
+    if delimiter:
+        params["Delimiter"] = delimiter
+    if v1:
+        marker = query.get("marker")
+        if marker:
+            # a marker that is a common prefix stands for every key under it
+            after = marker + _AFTER_PREFIX if delimiter and marker.endswith(delimiter) else marker
+            params["StartAfter"] = base_prefix + after
+        return params
     if query.get("continuation-token"):
         params["ContinuationToken"] = query["continuation-token"]
     if query.get("start-after"):
@@ -170,34 +231,50 @@ def _sub(parent: ET.Element, tag: str, text: Any) -> ET.Element:
     return el
 
 
-def render_list_v2(
-    bucket: str, query: Mapping[str, str], result: Mapping[str, Any], base_prefix: str
+def render_list(
+    bucket: str,
+    query: Mapping[str, str],
+    result: Mapping[str, Any],
+    base_prefix: str,
+    v1: bool = False,
 ) -> bytes:
-    """ListBucketResult XML for the front bucket from a botocore ListObjectsV2 result,
-    with keys and common prefixes made relative to ``base_prefix``."""
+    """ListBucketResult XML (ListObjectsV2, or V1 when ``v1``) for the front bucket from
+    a botocore ListObjectsV2 result, with keys and common prefixes made relative to
+    ``base_prefix``."""
     url_enc = query.get("encoding-type") == "url"
 
     def enc(s: str) -> str:
         return quote(s, safe="/") if url_enc else s
 
+    contents = result.get("Contents", []) or []
+    prefixes = result.get("CommonPrefixes", []) or []
+    truncated = bool(result.get("IsTruncated"))
     root = ET.Element("ListBucketResult", xmlns=S3_NS)
     _sub(root, "Name", bucket)
     _sub(root, "Prefix", enc(query.get("prefix", "")))
+    if v1:
+        _sub(root, "Marker", enc(query.get("marker", "")))
+        if truncated:
+            # the last key or common prefix listed: where the next page starts
+            last = [_strip(base_prefix, o["Key"]) for o in contents[-1:]]
+            last += [_strip(base_prefix, p["Prefix"]) for p in prefixes[-1:]]
+            if last:
+                _sub(root, "NextMarker", enc(max(last)))
     if query.get("delimiter"):
         _sub(root, "Delimiter", enc(query["delimiter"]))
-    if query.get("start-after"):
+    if not v1 and query.get("start-after"):
         _sub(root, "StartAfter", enc(query["start-after"]))
-    contents = result.get("Contents", []) or []
-    prefixes = result.get("CommonPrefixes", []) or []
-    _sub(root, "KeyCount", len(contents) + len(prefixes))
+    if not v1:
+        _sub(root, "KeyCount", len(contents) + len(prefixes))
     _sub(root, "MaxKeys", list_params(query, "")["MaxKeys"])
     if url_enc:
         _sub(root, "EncodingType", "url")
-    _sub(root, "IsTruncated", "true" if result.get("IsTruncated") else "false")
-    if query.get("continuation-token"):
+    _sub(root, "IsTruncated", "true" if truncated else "false")
+    if not v1 and query.get("continuation-token"):
         _sub(root, "ContinuationToken", query["continuation-token"])
-    if result.get("NextContinuationToken"):
+    if not v1 and result.get("NextContinuationToken"):
         _sub(root, "NextContinuationToken", result["NextContinuationToken"])
+    owner = v1 or query.get("fetch-owner") == "true"
     for obj in contents:
         c = ET.SubElement(root, "Contents")
         _sub(c, "Key", enc(_strip(base_prefix, obj["Key"])))
@@ -205,10 +282,21 @@ def render_list_v2(
         _sub(c, "ETag", obj.get("ETag", ""))
         _sub(c, "Size", obj.get("Size", 0))
         _sub(c, "StorageClass", obj.get("StorageClass", "STANDARD"))
+        if owner:
+            o = ET.SubElement(c, "Owner")
+            _sub(o, "ID", "shardcache")
+            _sub(o, "DisplayName", "shardcache")
     for p in prefixes:
         cp = ET.SubElement(root, "CommonPrefixes")
         _sub(cp, "Prefix", enc(_strip(base_prefix, p["Prefix"])))
     return _xml(root)
+
+
+def render_list_v2(
+    bucket: str, query: Mapping[str, str], result: Mapping[str, Any], base_prefix: str
+) -> bytes:
+    """:func:`render_list` for ListObjectsV2."""
+    return render_list(bucket, query, result, base_prefix)
 
 
 def render_error(code: str, message: str, resource: str, request_id: str) -> bytes:
@@ -335,6 +423,8 @@ class S3Front:
 
     buckets: Mapping[str, str]
     s3: S3Upstream | None = None
+    domains: Sequence[str] = ("localhost",)  # virtual-hosted style: BUCKET.DOMAIN
+    catch_all: bool = False  # an unnamed upstream maps every other path
     access_key: str | None = None
     secret_key: str | None = None
     allow_anonymous: bool | None = None
@@ -357,25 +447,40 @@ class S3Front:
     @web.middleware
     async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """aiohttp middleware: S3 routes, authentication and XML errors for front buckets."""
-        target = classify_request(request.raw_path, self.buckets)
-        s3ish = is_s3_request(request.headers, request.query)
-        if target.kind == "other" or (target.kind == "service" and not s3ish):
+        host = request.headers.get("Host")
+        target = classify_request(request.raw_path, self.buckets, host, self.domains)
+        virtual = virtual_bucket(host, self.domains) is not None
+        s3ish = virtual or is_s3_request(request.headers, request.query)
+        if target.kind == "other":
+            if not s3ish or self.catch_all or not _BUCKET_NAME_RE.match(target.bucket):
+                return await handler(request)  # the proxy's own paths
+        elif target.kind == "service" and not s3ish:
             return await handler(request)
-        if (
+        elif (
             target.kind == "bucket"
             and not s3ish
             and request.method == "GET"
-            and "list-type" not in request.query
+            and not request.query_string
         ):
             return await handler(request)  # a plain client's GET /NAME: the proxy's own 404
         request_id = uuid.uuid4().hex[:16].upper()
+        request[REQUEST_ID] = request_id
         resource = request.path
         try:
             self.authenticate(request)
+            if target.kind in ("other", "nobucket"):
+                raise S3Error(404, "NoSuchBucket", f"no bucket {target.bucket!r} here")
             if target.kind == "service":
                 return self._list_buckets(request)
             if target.kind == "bucket":
                 return await self._bucket(request, target.bucket)
+            if virtual:
+                # the proxy's routes are path style: /BUCKET/KEY
+                path = f"/{target.bucket}/{target.key}"
+                qs = request.rel_url.raw_query_string
+                request = request.clone(
+                    rel_url=URL(path + (f"?{qs}" if qs else ""), encoded=True)
+                )
             return await self._object(request, handler, s3ish)
         except S3Error as exc:
             return self._error(request, exc.status, exc.code, exc.message, resource, request_id)
@@ -390,6 +495,13 @@ class S3Front:
             code = s3_code_for_status(exc.status)
             msg = exc.text or exc.reason
             return self._error(request, exc.status, code, msg, resource, request_id)
+
+    async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        """aiohttp ``on_response_prepare``: every answer of the front, errors and object
+        bodies alike, names its request id as S3 does."""
+        rid = request.get(REQUEST_ID)
+        if rid is not None:
+            response.headers.setdefault("x-amz-request-id", rid)
 
     def _error(
         self, request: web.Request, status: int, code: str, message: str, resource: str, rid: str
@@ -433,7 +545,7 @@ class S3Front:
 
     def _list_buckets(self, request: web.Request) -> web.Response:
         if request.method not in ("GET", "HEAD"):
-            raise S3Error(405, "MethodNotAllowed", "this front is read-only")
+            raise S3Error(405, "MethodNotAllowed", "read-only cache: buckets can be listed only")
         root = ET.Element("ListAllMyBucketsResult", xmlns=S3_NS)
         owner = ET.SubElement(root, "Owner")
         _sub(owner, "ID", "shardcache")
@@ -450,19 +562,24 @@ class S3Front:
         if request.method == "HEAD":
             return web.Response(status=200, headers=headers)
         if request.method != "GET":
-            raise S3Error(405, "MethodNotAllowed", "this front is read-only")
+            raise S3Error(405, "MethodNotAllowed", "read-only cache: buckets can be listed only")
         q = request.query
         if "location" in q:
             root = ET.Element("LocationConstraint", xmlns=S3_NS)
             root.text = "" if self.region == "us-east-1" else self.region
             return web.Response(body=_xml(root), content_type="application/xml", headers=headers)
-        if q.get("list-type") == "2":
-            return await self._list_v2(bucket, q, headers)
-        raise S3Error(501, "NotImplemented", "only ListObjectsV2 (list-type=2) is supported")
+        other = [k for k in q if k not in LIST_PARAMS and k not in PRESIGN_PARAMS]
+        if other:
+            raise S3Error(501, "NotImplemented", f"bucket operation {other[0]!r} is not supported")
+        if "list-type" in q and q["list-type"] != "2":
+            raise S3Error(400, "InvalidArgument", f"invalid list-type {q['list-type']!r}")
+        return await self._list(bucket, q, headers, v1="list-type" not in q)
 
-    async def _list_v2(
-        self, bucket: str, query: Mapping[str, str], headers: dict[str, str]
+    async def _list(
+        self, bucket: str, query: Mapping[str, str], headers: dict[str, str], v1: bool
     ) -> web.Response:
+        """ListObjects (V1) or ListObjectsV2 of a front bucket, from the upstream
+        bucket's ListObjectsV2."""
         base = self.buckets[bucket]
         if not base.startswith("s3://"):
             raise S3Error(501, "NotImplemented", f"bucket {bucket} is not backed by S3")
@@ -470,17 +587,19 @@ class S3Front:
             raise S3Error(503, "ServiceUnavailable", "the S3 client is not running")
         loc = parse_s3_url(base)
         base_prefix = join_key(loc.key, "") if loc.key.strip("/") else ""
-        params = list_params(query, base_prefix)
+        params = list_params(query, base_prefix, v1)
         await self.s3.ensure_started()
         result = await self.s3.list_objects_v2(loc.bucket, **params)
-        body = render_list_v2(bucket, query, result, base_prefix)
+        body = render_list(bucket, query, result, base_prefix, v1)
         return web.Response(body=body, content_type="application/xml", headers=headers)
 
     # -- objects
 
     async def _object(self, request: web.Request, handler: Any, s3ish: bool) -> web.StreamResponse:
         if request.method not in ("GET", "HEAD"):
-            raise S3Error(405, "MethodNotAllowed", "this front is read-only (GET and HEAD)")
+            raise S3Error(
+                405, "MethodNotAllowed", "read-only cache: objects can be read (GET, HEAD) only"
+            )
         if s3ish and request.query_string:
             keep = []
             for k, v in request.query.items():

@@ -1,0 +1,184 @@
+"""The S3 front as S3 clients address it: virtual-hosted style (``Host: BUCKET.DOMAIN``)
+as well as path style, ListObjects V1 (rclone's and older SDKs' default) as well as V2,
+and XML errors with a request id on every S3 answer. A real proxy in front of SeaweedFS,
+read with boto3 and raw HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from conftest import OBJECTS
+from test_proxy_s3 import MEDIUM, _start
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+MANY = sorted(k for k in OBJECTS if k.startswith("many/"))
+
+
+@pytest.fixture(scope="module")
+def proxy(seaweed, tmp_path_factory):
+    p = _start(seaweed, tmp_path_factory.mktemp("front"), seaweed.access_key, seaweed.secret_key)
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def localhost_subdomains(monkeypatch):
+    """Resolve ``*.localhost`` to 127.0.0.1 in this process, as systemd-resolved and
+    browsers do (this machine's resolver does not), so boto3 can use virtual hosts."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kw):
+        if isinstance(host, str) and host.endswith(".localhost"):
+            host = "127.0.0.1"
+        return real(host, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def client(proxy, style: str):
+    import boto3
+    from botocore import UNSIGNED
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3",
+        endpoint_url=f"http://localhost:{proxy.port}",
+        region_name="us-east-1",
+        config=Config(signature_version=UNSIGNED, s3={"addressing_style": style}),
+    )
+
+
+def raw(proxy, method: str, path: str, host: str | None = None, headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
+    h = {"Host": host or f"127.0.0.1:{proxy.port}", **(headers or {})}
+    conn.request(method, path, headers=h)
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, body
+
+
+def error_code(body: bytes) -> str:
+    root = ET.fromstring(body)
+    assert root.tag == "Error", body
+    assert root.findtext("RequestId"), body
+    assert root.findtext("Message"), body
+    return root.findtext("Code") or ""
+
+
+@pytest.mark.parametrize("style", ["path", "virtual"])
+def test_boto3_reads_lists_and_heads_in_both_styles(proxy, localhost_subdomains, style):
+    s3 = client(proxy, style)
+    got = s3.get_object(Bucket="shards", Key="medium.tar")
+    assert got["Body"].read() == MEDIUM
+    assert got["ResponseMetadata"]["HTTPHeaders"].get("x-amz-request-id")
+    r = s3.get_object(Bucket="shards", Key="small.tar", Range="bytes=100-199")
+    assert r["Body"].read() == OBJECTS["shards/small.tar"][100:200]
+    assert s3.head_object(Bucket="shards", Key="small.tar")["ContentLength"] == 10_000
+    s3.head_bucket(Bucket="all")
+    for api in ("list_objects_v2", "list_objects"):
+        keys, pages = [], 0
+        for page in s3.get_paginator(api).paginate(
+            Bucket="all", Prefix="many/", PaginationConfig={"PageSize": 5}
+        ):
+            pages += 1
+            keys.extend(o["Key"] for o in page.get("Contents", []))
+        assert keys == MANY, api
+        assert pages >= 5, api
+    # a listing is never silently empty: the bucket's keys are there
+    listed = s3.list_objects_v2(Bucket="shards")
+    assert {o["Key"] for o in listed["Contents"]} >= {"medium.tar", "small.tar"}
+    with pytest.raises(s3.exceptions.NoSuchKey):
+        s3.get_object(Bucket="shards", Key="absent.tar")
+    with pytest.raises(s3.exceptions.NoSuchBucket):
+        s3.list_objects_v2(Bucket="nosuchbucket")
+
+
+def test_list_objects_v1_with_delimiter_pages_over_common_prefixes(proxy):
+    s3 = client(proxy, "path")
+    seen_keys, seen_prefixes, marker = [], [], ""
+    for _ in range(50):
+        page = s3.list_objects(
+            Bucket="all", Prefix="many/", Delimiter="/", MaxKeys=4, Marker=marker
+        )
+        seen_keys += [o["Key"] for o in page.get("Contents", [])]
+        seen_prefixes += [p["Prefix"] for p in page.get("CommonPrefixes", [])]
+        if not page["IsTruncated"]:
+            break
+        marker = page["NextMarker"]
+    direct = [k for k in MANY if "/" not in k[len("many/") :]]
+    assert seen_keys == direct
+    assert seen_prefixes == ["many/sub/"]  # once, though two keys lie under it
+    # V1 answers carry Owner on each key, V2 only when asked
+    v1 = s3.list_objects(Bucket="all", Prefix="many/sub/")
+    assert all("Owner" in o for o in v1["Contents"])
+    v2 = s3.list_objects_v2(Bucket="all", Prefix="many/sub/")
+    assert not any("Owner" in o for o in v2["Contents"])
+    v2 = s3.list_objects_v2(Bucket="all", Prefix="many/sub/", FetchOwner=True)
+    assert all("Owner" in o for o in v2["Contents"])
+
+
+def test_v1_listing_xml_and_url_encoding(proxy):
+    status, headers, body = raw(proxy, "GET", "/all?prefix=shards/dir/&encoding-type=url")
+    assert status == 200, body
+    root = ET.fromstring(body)
+    assert root.findtext(f"{NS}Marker") == ""
+    assert root.findtext(f"{NS}EncodingType") == "url"
+    assert [k.text for k in root.iter(f"{NS}Key")] == ["shards/dir/x%20one%2Btwo.tar"]
+    assert headers.get("x-amz-request-id")
+
+
+def test_virtual_host_raw_requests(proxy):
+    host = f"shards.localhost:{proxy.port}"
+    status, headers, body = raw(proxy, "GET", "/medium.tar", host=host)
+    assert status == 200 and body == MEDIUM
+    assert headers.get("x-amz-request-id")
+    status, _, body = raw(proxy, "GET", "/?list-type=2&prefix=dir/", host=host)
+    assert status == 200
+    root = ET.fromstring(body)
+    assert root.tag == f"{NS}ListBucketResult"  # not a ListAllMyBuckets document
+    assert [k.text for k in root.iter(f"{NS}Key")] == ["dir/x one+two.tar"]
+    status, headers, body = raw(proxy, "HEAD", "/small.tar", host=host)
+    assert status == 200 and headers["content-length"] == "10000"
+    # a Host naming no bucket of this front
+    status, headers, body = raw(proxy, "GET", "/medium.tar", host=f"nope.localhost:{proxy.port}")
+    assert status == 404 and error_code(body) == "NoSuchBucket"
+    assert headers.get("x-amz-request-id")
+    status, _, body = raw(proxy, "GET", "/absent.tar", host=host)
+    assert status == 404 and error_code(body) == "NoSuchKey"
+    status, _, body = raw(proxy, "GET", "/?list-type=2", host=f"nope.localhost:{proxy.port}")
+    assert status == 404 and error_code(body) == "NoSuchBucket"
+
+
+def test_errors_are_s3_xml_on_every_route(proxy):
+    sdk = {"x-amz-content-sha256": "UNSIGNED-PAYLOAD"}
+    cases = [
+        ("PUT", "/shards/new.tar", 405, "MethodNotAllowed"),
+        ("DELETE", "/shards/small.tar", 405, "MethodNotAllowed"),
+        ("POST", "/shards/small.tar?uploads", 405, "MethodNotAllowed"),
+        ("PUT", "/shards", 405, "MethodNotAllowed"),
+        ("GET", "/shards?versioning", 501, "NotImplemented"),
+        ("GET", "/shards/small.tar?versionId=3", 501, "NotImplemented"),
+        ("GET", "/shards/absent.tar", 404, "NoSuchKey"),
+        ("GET", "/nosuchbucket/x.tar", 404, "NoSuchBucket"),
+        ("GET", "/shards?list-type=3", 400, "InvalidArgument"),
+        ("GET", "/shards?max-keys=x", 400, "InvalidArgument"),
+    ]
+    for method, path, status, code in cases:
+        got, headers, body = raw(proxy, method, path, headers=sdk)
+        assert got == status, (method, path, body)
+        assert error_code(body) == code, (method, path, body)
+        assert headers.get("x-amz-request-id"), (method, path)
+        assert "read-only" in body.decode() or status != 405
+    got, _, body = raw(proxy, "GET", "/shards/small.tar", headers={**sdk, "Range": "bytes=999999-"})
+    assert got == 416 and error_code(body) == "InvalidRange"
+    # a plain client keeps the proxy's one-line errors
+    got, _, body = raw(proxy, "GET", "/shards/absent.tar")
+    assert got == 404 and not body.startswith(b"<?xml")
