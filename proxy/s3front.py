@@ -322,6 +322,14 @@ def _parse_amz_date(value: str) -> dt.datetime:
         raise S3Error(403, "AccessDenied", "missing or malformed X-Amz-Date") from None
 
 
+def _skew(when: dt.datetime, now: dt.datetime) -> str:
+    return (
+        f"the request was signed at {when:%Y-%m-%dT%H:%M:%SZ} and this proxy's clock says "
+        f"{now:%Y-%m-%dT%H:%M:%SZ}: more than {int(MAX_SKEW.total_seconds() // 60)} minutes "
+        "apart; fix the client's (or this host's) clock"
+    )
+
+
 def verify_sigv4(
     method: str,
     raw_path: str,
@@ -370,10 +378,17 @@ def verify_sigv4(
         expires = qd.get("X-Amz-Expires", "")
         if not expires.isdigit() or int(expires) > MAX_PRESIGN_EXPIRES:
             raise S3Error(403, "AuthorizationQueryParametersError", "bad X-Amz-Expires")
-        if now > when + dt.timedelta(seconds=int(expires)) or when - now > MAX_SKEW:
-            raise S3Error(403, "AccessDenied", "request has expired")
+        if now > when + dt.timedelta(seconds=int(expires)):
+            raise S3Error(
+                403,
+                "AccessDenied",
+                f"request has expired: signed {when:%Y-%m-%dT%H:%M:%SZ} for {expires} s, "
+                f"now {now:%Y-%m-%dT%H:%M:%SZ}",
+            )
+        if when - now > MAX_SKEW:
+            raise S3Error(403, "RequestTimeTooSkewed", _skew(when, now))
     elif abs(now - when) > MAX_SKEW:
-        raise S3Error(403, "RequestTimeTooSkewed", "the request time is too far from ours")
+        raise S3Error(403, "RequestTimeTooSkewed", _skew(when, now))
 
     signed_names = [h for h in signed.lower().split(";") if h]
     if "host" not in signed_names:
