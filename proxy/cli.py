@@ -8,13 +8,14 @@ import concurrent.futures
 import logging
 import os
 import signal
+import ssl
 import sys
 from collections.abc import Callable
 
 from proxy.config import Settings, add_serve_arguments, configure_logging, settings_from_args
 from shardcache.errors import ConfigError, StoreUnusable
 
-__all__ = ["register", "serve", "run_server"]
+__all__ = ["register", "serve", "run_server", "tls_context"]
 
 log = logging.getLogger("shardcache.proxy")
 
@@ -93,6 +94,26 @@ def serve(settings: Settings) -> int:
     return 0
 
 
+def tls_context(settings: Settings) -> ssl.SSLContext | None:
+    """The server-side TLS context of ``--tls-cert``/``--tls-key`` (TLS 1.2 or later), or
+    None to serve plain HTTP. ConfigError naming ``--tls-cert`` when the pair cannot be
+    loaded (a file replaced or unreadable since the settings were checked)."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        # never ask a terminal for a passphrase: an encrypted key is an error
+        ctx.load_cert_chain(settings.tls_cert, settings.tls_key, password=lambda: b"")
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(
+            "--tls-cert",
+            f"cannot load the certificate {settings.tls_cert} with the key {settings.tls_key} "
+            f"(PEM, the key unencrypted and matching the certificate): {exc}",
+        ) from None
+    return ctx
+
+
 async def run_server(
     settings: Settings,
     stop: asyncio.Event | None = None,
@@ -104,7 +125,10 @@ async def run_server(
 
     As ``worker`` N of ``serve --workers``, listen on the shared port with SO_REUSEPORT,
     plus on a private 127.0.0.1 port where followers in other workers reach the
-    downloads this worker owns; call ``ready`` once listening."""
+    downloads this worker owns; call ``ready`` once listening.
+
+    With ``--tls-cert``/``--tls-key`` the port serves HTTPS (the proxy and the S3 front
+    alike); a worker's private port stays plain HTTP, on loopback only."""
     from aiohttp import web
 
     from proxy.app import make_app
@@ -117,6 +141,8 @@ async def run_server(
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
+    ssl_context = tls_context(settings)
+    scheme = "https" if ssl_context is not None else "http"
     app = make_app(settings)
     runner = web.AppRunner(
         app, access_log=None, shutdown_timeout=settings.grace_period, handle_signals=False
@@ -124,7 +150,12 @@ async def run_server(
     await runner.setup()
     try:
         site = web.TCPSite(
-            runner, settings.host, settings.port, backlog=1024, reuse_port=worker is not None
+            runner,
+            settings.host,
+            settings.port,
+            backlog=1024,
+            reuse_port=worker is not None,
+            ssl_context=ssl_context,
         )
         try:
             await site.start()
@@ -135,11 +166,11 @@ async def run_server(
         if worker is None:
             for addr in runner.addresses:
                 host, port = addr[0], addr[1]
-                log.info("shardcache serving on http://%s:%d", host, port)
+                log.info("shardcache serving on %s://%s:%d", scheme, host, port)
         else:
             from proxy.app import RUNTIME
 
-            peer = web.TCPSite(runner, "127.0.0.1", 0)
+            peer = web.TCPSite(runner, "127.0.0.1", 0)  # plain HTTP: loopback, workers only
             await peer.start()
             sockets = peer._server.sockets if peer._server is not None else ()
             app[RUNTIME]["internal_port"] = sockets[0].getsockname()[1]

@@ -16,6 +16,9 @@ Metrics add up across workers through prometheus_client's multiprocess mode: the
 sets ``PROMETHEUS_MULTIPROC_DIR`` to a private directory before any worker imports
 prometheus_client, and removes it on exit.
 
+With ``--tls-cert``/``--tls-key`` every worker serves HTTPS on the shared port (each
+loads the certificate itself); the private loopback ports stay plain HTTP.
+
 The parent forwards SIGTERM/SIGINT to the workers and waits for them to drain; a worker
 that dies is replaced (unless workers keep dying at startup, then the parent stops).
 """
@@ -50,6 +53,9 @@ FAST_DEATH_SECONDS = 5.0
 
 def _preflight(settings: Settings) -> None:
     """The checks a single process makes before listening, once, in the parent."""
+    from proxy.cli import tls_context
+
+    tls_context(settings)  # each worker loads its own; a bad pair stops all, here
     store = Store(
         settings.cache_dir, settings.cache_size, settings.eviction, min_free=settings.min_free
     )
@@ -164,7 +170,8 @@ def serve_workers(settings: Settings) -> int:
             exit_code = 1
         else:
             log.info(
-                "shardcache serving on http://%s:%d (%d workers)",
+                "shardcache serving on %s://%s:%d (%d workers)",
+                "https" if settings.tls_cert is not None else "http",
                 settings.host,
                 port,
                 settings.workers,
