@@ -176,11 +176,12 @@ class ProxyProcess:
         self.env = env
         self.proc: subprocess.Popen | None = None
         self.port = 0
+        self.scheme = "http"  # "https" when the proxy says it serves TLS
         self.log_path = cache_dir.parent / f"proxy-{os.getpid()}-{time.monotonic_ns()}.log"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 30) -> ProxyProcess:
         cmd = [
@@ -200,9 +201,9 @@ class ProxyProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = self.log_text()
-            m = re.search(r"serving on http://[^:]+:(\d+)", text)
+            m = re.search(r"serving on (https?)://[^:]+:(\d+)", text)
             if m:
-                self.port = int(m.group(1))
+                self.scheme, self.port = m.group(1), int(m.group(2))
                 return self
             if self.proc.poll() is not None:
                 raise RuntimeError(f"proxy exited {self.proc.returncode}:\n{text}")
