@@ -165,6 +165,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, dest=dest, default=None, help=f"{help_text} [env {env}]")
 
 
+def _have(module: str) -> bool:
+    """Whether ``module`` can be imported (without importing it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _split_list(value: str) -> list[str]:
     return [v for v in re.split(r"[,\s]+", value) if v]
 
@@ -251,6 +261,12 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
     allow_hosts = tuple(h.lower() for h in get_list("allow_host"))
     if not upstreams and not allow_hosts:
         raise ConfigError("--upstream", "at least one upstream is required (or --allow-host)")
+    if any(u.base.startswith("s3://") for u in upstreams) and not _have("aiobotocore"):
+        raise ConfigError(
+            "--upstream",
+            "s3:// upstreams need the s3 extra (aiobotocore): pip install 'shardcache[s3]', "
+            "or from a checkout: pip install '.[s3]'",
+        )
     kw["upstreams"] = upstreams
     kw["allow_hosts"] = allow_hosts
 

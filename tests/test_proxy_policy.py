@@ -310,3 +310,33 @@ def test_serve_bad_flag_exits_nonzero_naming_it(tmp_path):
     assert res.returncode == 2
     assert "--cache-size" in res.stderr and "parsecs" in res.stderr
     assert res.stderr.count("\n") == 1
+
+
+def test_s3_upstream_without_the_s3_extra_fails_at_startup(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "aiobotocore", None)  # fault: the extra is missing
+    with pytest.raises(ConfigError, match=r"pip install '\.\[s3\]'") as ei:
+        parse_settings(["--cache-dir", str(tmp_path), "--upstream", "data=s3://bucket/prefix"], {})
+    assert ei.value.flag == "--upstream"
+    # http upstreams need nothing more
+    parse_settings(["--cache-dir", str(tmp_path), "--upstream", "http://origin"], {})
+
+
+def test_s3_domains_and_tls_settings(tmp_path):
+    base = ["--cache-dir", str(tmp_path), "--upstream", "http://origin"]
+    s = parse_settings(base, {"SHARDCACHE_S3_DOMAINS": "localhost, S3.Example.com."})
+    assert s.s3_domains == ("localhost", "s3.example.com")
+    assert parse_settings(base, {}).s3_domains == ("localhost",)
+    with pytest.raises(ConfigError, match="--s3-domain"):
+        parse_settings(base + ["--s3-domain", "bad_name"], {})
+    cert = tmp_path / "c.pem"
+    cert.write_text("not a certificate")
+    with pytest.raises(ConfigError, match="--tls-key"):
+        parse_settings(base + ["--tls-cert", str(cert)], {})
+    with pytest.raises(ConfigError, match="--tls-cert"):
+        parse_settings(base + ["--tls-cert", str(cert), "--tls-key", str(cert)], {})
+    with pytest.raises(ConfigError, match="--tls-cert"):
+        parse_settings(
+            base + ["--tls-cert", str(tmp_path / "absent.pem"), "--tls-key", str(cert)], {}
+        )
