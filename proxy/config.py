@@ -367,8 +367,9 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         import ssl
 
         try:
+            # never ask a terminal for a passphrase: an encrypted key is an error
             ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-                kw["tls_cert"], kw["tls_key"]
+                kw["tls_cert"], kw["tls_key"], password=lambda: b""
             )
         except (ssl.SSLError, OSError) as exc:
             raise ConfigError("--tls-cert", f"cannot load the certificate and key: {exc}") from None
