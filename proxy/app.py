@@ -34,7 +34,7 @@ from proxy.policy import (
     range_applies,
     should_admit,
 )
-from proxy.s3front import S3Front
+from proxy.s3front import S3_SERVICE_ROUTE, S3Front
 from proxy.sendfile import send_file
 from proxy.storehealth import StoreHealth
 from proxy.upstream import Fetcher, ObjectMeta, S3Upstream, UpstreamBody
@@ -290,11 +290,15 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
         if resp is not None and not resp.prepared and isinstance(resp, web.Response):
             nbytes = 0 if request.method == "HEAD" else len(resp.body or b"")
         duration = time.monotonic() - start
+        route = _service_route(request)
         if _forwarded(request):
             note += " for-worker"  # counted by the worker that received it
+        elif route is not None:
+            request.app[METRICS].observe_service(route, status)
         else:
             request.app[METRICS].observe_request(cache, status, nbytes)
-        access_log.info(
+        access_log.log(
+            logging.DEBUG if route in PROBES and status < 400 else logging.INFO,
             '%s "%s %s" %d %s %d %.3fs%s',
             request.remote,
             request.method,
@@ -305,6 +309,22 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
             duration,
             note,
         )
+
+
+PROBES = frozenset({"healthz", "readyz", "metrics"})  # logged at DEBUG when they pass
+
+
+def _service_route(request: web.Request) -> str | None:
+    """The proxy's own route a request went to (metrics, health, admin, S3 listings),
+    counted apart from data requests so that hit ratios count shard reads only; None for
+    a data request."""
+    path = request.path
+    if path == "/metrics":
+        return "metrics"
+    if path.startswith("/-/"):
+        name = path[3:].partition("/")[0]
+        return name if f"/-/{name}" in ADMIN_ROUTES else "other"
+    return request.get(S3_SERVICE_ROUTE)
 
 
 def _abort_client(request: web.Request) -> None:

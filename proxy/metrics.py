@@ -2,7 +2,10 @@
 
 Names (all prefixed ``shardcache_``)::
 
-    requests_total{cache,code}        requests answered, by X-Cache status and HTTP code
+    requests_total{cache,code}        data requests (shard reads) answered, by X-Cache status
+                                      and HTTP code: the base of the hit ratio
+    service_requests_total{route,code} requests to the proxy's own routes (metrics, healthz,
+                                      readyz, stats, prefetch, cache, s3-listing, s3-service)
     response_bytes_total{cache}       body bytes sent to clients
     upstream_requests_total{outcome}  ok | not_found | error | timeout | resumed | aborted
     upstream_bytes_total              body bytes received from upstreams
@@ -41,8 +44,15 @@ class ProxyMetrics:
         r = self.registry
         self.requests = Counter(
             "shardcache_requests_total",
-            "Requests answered, by cache status and HTTP status code.",
+            "Data requests (shard reads) answered, by cache status and HTTP status code.",
             ["cache", "code"],
+            registry=r,
+        )
+        self.service_requests = Counter(
+            "shardcache_service_requests_total",
+            "Requests to the proxy's own routes (metrics, health, admin, S3 listings), by "
+            "route and HTTP status code; not in shardcache_requests_total.",
+            ["route", "code"],
             registry=r,
         )
         self.response_bytes = Counter(
@@ -127,6 +137,9 @@ class ProxyMetrics:
 
     def observe_upstream(self, outcome: str) -> None:
         self.upstream_requests.labels(outcome=outcome).inc()
+
+    def observe_service(self, route: str, code: int) -> None:
+        self.service_requests.labels(route=route, code=str(code)).inc()
 
     def observe_request(self, cache: str, code: int, nbytes: int) -> None:
         self.requests.labels(cache=cache, code=str(code)).inc()

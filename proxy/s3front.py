@@ -52,6 +52,9 @@ __all__ = [
 
 S3_NS = "http://s3.amazonaws.com/doc/2006-03-01/"
 REQUEST_ID = web.RequestKey("s3_request_id", str)
+# set on requests the front answers itself (listings, bucket and service calls): the
+# metrics count them apart from object reads
+S3_SERVICE_ROUTE = web.RequestKey("s3_service_route", str)
 _BUCKET_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 LIST_PARAMS = frozenset(
     {
@@ -480,6 +483,8 @@ class S3Front:
             return await handler(request)  # a plain client's GET /NAME: the proxy's own 404
         request_id = uuid.uuid4().hex[:16].upper()
         request[REQUEST_ID] = request_id
+        if target.kind != "object":
+            request[S3_SERVICE_ROUTE] = "s3-listing" if target.kind == "bucket" else "s3-service"
         resource = request.path
         try:
             self.authenticate(request)
@@ -493,9 +498,7 @@ class S3Front:
                 # the proxy's routes are path style: /BUCKET/KEY
                 path = f"/{target.bucket}/{target.key}"
                 qs = request.rel_url.raw_query_string
-                request = request.clone(
-                    rel_url=URL(path + (f"?{qs}" if qs else ""), encoded=True)
-                )
+                request = request.clone(rel_url=URL(path + (f"?{qs}" if qs else ""), encoded=True))
             return await self._object(request, handler, s3ish)
         except S3Error as exc:
             return self._error(request, exc.status, exc.code, exc.message, resource, request_id)

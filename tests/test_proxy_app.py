@@ -484,3 +484,40 @@ async def test_gated_download_then_shutdown_leaves_no_partial(proxy, origin):
     gate.set()
     with pytest.raises(aiohttp.ClientError):
         await task
+
+
+async def test_service_routes_are_counted_apart_from_shard_reads(tmp_path, aiohttp_client):
+    """Scrapes, probes and admin calls never enter requests_total (the base of the hit
+    ratio): they are counted in service_requests_total by route."""
+    from aiohttp import web as _web
+
+    from proxy.app import METRICS, make_app
+    from proxy.config import parse_settings
+
+    async def shard(request):
+        return _web.Response(body=b"x" * 100)
+
+    origin_app = _web.Application()
+    origin_app.router.add_get("/{name}", shard)
+    origin = await aiohttp_client(origin_app)
+    settings = parse_settings(
+        ["--cache-dir", str(tmp_path / "c"), "--upstream", str(origin.make_url("/"))], {}
+    )
+    client = await aiohttp_client(make_app(settings))
+    for path in ("/-/healthz", "/-/readyz", "/metrics", "/-/stats", "/-/nope"):
+        await (await client.get(path)).read()
+    for _ in range(2):
+        r = await client.get("/a.tar")
+        assert await r.read() == b"x" * 100
+    m = client.app[METRICS]
+    totals = {}
+    for metric in m.exposed.collect():
+        for s in metric.samples:
+            if s.name in ("shardcache_requests_total", "shardcache_service_requests_total"):
+                key = (s.name, s.labels.get("cache") or s.labels.get("route"))
+                totals[key] = totals.get(key, 0) + s.value
+    assert totals[("shardcache_requests_total", "MISS")] == 1
+    assert totals[("shardcache_requests_total", "HIT")] == 1
+    assert ("shardcache_requests_total", "NONE") not in totals
+    for route in ("healthz", "readyz", "metrics", "stats", "other"):
+        assert totals[("shardcache_service_requests_total", route)] >= 1, route
