@@ -129,6 +129,12 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
         domains=settings.s3_domains,
         catch_all=any(not u.name for u in settings.upstreams),
     )
+    if not settings.admin_token and not loopback_only(settings.host):
+        log.warning(
+            "listening on %s without --admin-token: POST /-/prefetch and DELETE /-/cache "
+            "answer 403 until a token is set (env SHARDCACHE_ADMIN_TOKEN)",
+            settings.host,
+        )
     app = web.Application(middlewares=[_observe, front.middleware], client_max_size=4 << 20)
     app.on_response_prepare.append(front.on_prepare)
     app[S3_CLIENT] = s3
@@ -984,10 +990,29 @@ async def _stats(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
+def loopback_only(host: str) -> bool:
+    """Whether listening on ``host`` accepts connections from this machine only."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name (or "" / 0.0.0.0 / ::): reachable from the network
+
+
 def _require_admin(request: web.Request) -> None:
-    token = request.app[SETTINGS].admin_token
+    settings = request.app[SETTINGS]
+    token = settings.admin_token
     if not token:
-        return
+        if loopback_only(settings.host):
+            return
+        raise Forbidden(
+            f"mutating admin routes are disabled: this proxy listens on {settings.host} "
+            "without --admin-token; set --admin-token (env SHARDCACHE_ADMIN_TOKEN) and send "
+            "Authorization: Bearer <token>"
+        )
     auth = request.headers.get("Authorization")
     if not auth:
         raise ProxyError("admin token required (Authorization: Bearer <token>)", status_hint=401)

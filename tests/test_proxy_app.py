@@ -521,3 +521,32 @@ async def test_service_routes_are_counted_apart_from_shard_reads(tmp_path, aioht
     assert ("shardcache_requests_total", "NONE") not in totals
     for route in ("healthz", "readyz", "metrics", "stats", "other"):
         assert totals[("shardcache_service_requests_total", route)] >= 1, route
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "proxy.internal"])
+async def test_mutating_admin_routes_closed_on_a_network_address_without_a_token(
+    proxy, origin, host, caplog
+):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="proxy.app"):
+        c = await proxy(host=host)
+    assert "without --admin-token" in caplog.text
+    async with c.post("/-/prefetch", json={"urls": ["/a.tar"]}) as r:
+        assert r.status == 403
+        assert "--admin-token" in await r.text()
+    async with c.delete("/-/cache") as r:
+        assert r.status == 403
+    async with c.get("/-/stats") as r:  # reading stays open
+        assert r.status == 200
+    # with a token the routes open again
+    c = await proxy(host=host, admin_token="t0k")
+    async with c.delete("/-/cache", headers={"Authorization": "Bearer t0k"}) as r:
+        assert r.status == 200, await r.text()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost", "127.0.0.2"])
+async def test_mutating_admin_routes_open_on_loopback_without_a_token(proxy, host):
+    c = await proxy(host=host)
+    async with c.delete("/-/cache") as r:
+        assert r.status == 200, await r.text()
