@@ -230,6 +230,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         app[RUNTIME]["ready"] = False
+        app[RUNTIME]["not_ready"] = "shutting down: downloads are finishing"
         background.cancel()
         tasks = [background, *app[RUNTIME]["prefetch"]]
         for t in tasks:
@@ -246,6 +247,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 async def _on_shutdown(app: web.Application) -> None:
     app[RUNTIME]["ready"] = False
+    app[RUNTIME]["not_ready"] = "shutting down: finishing the responses in flight"
 
 
 # ---------------------------------------------------------------------------------------
@@ -943,9 +945,11 @@ async def _healthz(request: web.Request) -> web.Response:
 
 
 async def _readyz(request: web.Request) -> web.Response:
-    if request.app[RUNTIME]["ready"]:
+    runtime = request.app[RUNTIME]
+    if runtime["ready"]:
         return web.Response(text="ready\n")
-    return _error_response(503, "not ready")
+    why = runtime.get("not_ready") or "starting: the store is being opened"
+    return _error_response(503, f"not ready: {why}")
 
 
 async def _refresh_gauges(app: web.Application) -> dict[str, Any]:

@@ -550,3 +550,16 @@ async def test_mutating_admin_routes_open_on_loopback_without_a_token(proxy, hos
     c = await proxy(host=host)
     async with c.delete("/-/cache") as r:
         assert r.status == 200, await r.text()
+
+
+async def test_readyz_says_why_it_is_not_ready(proxy):
+    from proxy.app import _on_shutdown
+
+    c = await proxy()
+    async with c.get("/-/readyz") as r:
+        assert r.status == 200 and await r.text() == "ready\n"
+    await _on_shutdown(c.server.app)
+    async with c.get("/-/readyz") as r:
+        text = await r.text()
+    assert r.status == 503
+    assert text.startswith("not ready: shutting down") and text.count("\n") == 1
