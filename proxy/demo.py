@@ -158,23 +158,30 @@ def proxy_demo(
                 for label in ("cold", "warm"):
                     if label == "warm":
                         _wait_committed(proxy_url)
+                    requests0, bytes0 = counts["requests"], counts["bytes"]
                     n, nbytes, secs = _read_pass(label, urls, out)
                     results[label] = (n, nbytes)
                     print(
-                        f"{label}: {n} samples, {nbytes / 2**20:.1f} MiB in {secs:.2f}s = "
-                        f"{n / max(secs, 1e-9):,.0f} samples/s; "
-                        f"origin so far: {counts['requests']} requests, "
-                        f"{counts['bytes'] / 2**20:.1f} MiB",
+                        f"{label}: {n} samples, {nbytes / 2**20:.1f} MiB of sample data in "
+                        f"{secs:.2f} s = {n / max(secs, 1e-9):,.0f} samples/s; this pass took "
+                        f"{counts['requests'] - requests0} requests and "
+                        f"{(counts['bytes'] - bytes0) / 2**20:.1f} MiB from the origin",
                         file=out,
                         flush=True,
                     )
                 with urllib.request.urlopen(f"{proxy_url}/-/stats", timeout=10) as r:
                     stats = json.load(r)
         print(
-            f"bytes from upstream: {stats['upstream_bytes'] / 2**20:.1f} MiB, "
-            f"served: {stats['served_bytes'] / 2**20:.1f} MiB, "
-            f"hit ratio: {stats['hit_ratio']:.2f} ({stats['hits']} hits, "
-            f"{stats['misses']} misses), {stats['entries']} entries cached",
+            f"both passes: {stats['upstream_bytes'] / 2**20:.1f} MiB from the upstream, "
+            f"{stats['served_bytes'] / 2**20:.1f} MiB served; hit ratio "
+            f"{stats['hit_ratio']:.2f} ({stats['hits']} hits, {stats['misses']} misses), "
+            f"{stats['entries']} entries cached (1 MiB = 2^20 bytes)",
+            file=out,
+        )
+        print(
+            "the hit ratio counts shard requests: the cold pass missed each shard once and "
+            "the warm pass hit each one, so two passes give 0.50; every later epoch is all "
+            "hits and reads no byte from the upstream",
             file=out,
         )
     ok = results["cold"] == results["warm"] and counts["requests"] == shards

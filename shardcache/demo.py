@@ -97,7 +97,7 @@ def library_demo(
         origin_dir, cache_dir = root / "origin", root / "cache"
         paths = make_shards(origin_dir, shards, samples)
         total = sum(p.stat().st_size for p in paths)
-        print(f"made {shards} shards x {samples} samples ({total / 1e6:.1f} MB) in {origin_dir}")
+        print(f"made {shards} shards x {samples} samples ({total / 2**20:.1f} MiB) in {origin_dir}")
         with origin(origin_dir) as (base, counts):
             urls = [f"{base}/{p.name}" for p in paths]
             print(f"origin: {base}/demo-{{000000..{shards - 1:06d}}}.tar")
@@ -119,7 +119,11 @@ def library_demo(
                     f"cache hits: {hits}"
                 )
         stats = Store(cache_dir).stats()
-        print(f"cache holds {stats['entries']} shards, {stats['bytes'] / 1e6:.1f} MB")
+        print(
+            f"cache holds {stats['entries']} shards, {stats['bytes'] / 2**20:.1f} MiB "
+            "(1 MiB = 2^20 bytes); pass 1 fetched each shard once, every later pass is all "
+            "cache hits"
+        )
     return 0
 
 

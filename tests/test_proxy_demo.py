@@ -16,6 +16,11 @@ def test_proxy_demo_small():
     assert proxy_demo(shards=3, samples=20, sample_size=1000, out=out) == 0
     text = out.getvalue()
     assert "cold: 60 samples" in text and "warm: 60 samples" in text
-    assert "origin so far: 3 requests" in text
-    assert "hit ratio: 0.50 (3 hits, 3 misses)" in text
+    # each phase reports its own origin traffic, not a running total
+    assert "cold: 60 samples" in text and "this pass took 3 requests" in text
+    warm = next(line for line in text.splitlines() if line.startswith("warm:"))
+    assert "this pass took 0 requests and 0.0 MiB from the origin" in warm
+    assert "hit ratio 0.50 (3 hits, 3 misses)" in text
+    assert "the hit ratio counts shard requests" in text
+    assert " MB" not in text  # one unit system: MiB
     assert "every shard crossed the network once" in text
