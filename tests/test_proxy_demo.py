@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from proxy.demo import proxy_demo
+from shardcache.cli.proxydemo import proxy_demo
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from opshelpers import Origin, ProxyProcess, make_shard, running
 
-from shardcache import tools
+from shardcache.cli import tools
 
 SHARDS = {f"/data/train-{i:03d}.tar": make_shard(i, 200_000 + 1000 * i) for i in range(6)}
 

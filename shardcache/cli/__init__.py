@@ -19,9 +19,9 @@ from shardcache.errors import ShardcacheError
 # Modules that contribute subcommands, in the order they appear in --help.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "proxy.cli",  # serve, check
-    "shardcache.demo",  # demo
+    "shardcache.cli.demo",  # demo
     "dbcache.cli",  # dbcache build|info|export
-    "shardcache.tools",  # prefetch, stats, ls
+    "shardcache.cli.tools",  # prefetch, stats, ls
 )
 
 log = logging.getLogger("shardcache")

@@ -1,6 +1,6 @@
 """``shardcache demo``: see the cache at work on this machine, no internet needed.
 
-By default the demo runs the proxy (:func:`proxy.demo.proxy_demo`): an origin and
+By default the demo runs the proxy (:func:`shardcache.cli.proxydemo.proxy_demo`): an origin and
 ``shardcache serve`` on 127.0.0.1, shards read through the proxy twice, cold then warm.
 The library demo (``--library``) writes a few tar shards to a temporary directory, serves them from a
 local HTTP origin on 127.0.0.1, and reads them through :func:`shardcache.cache_shards`
@@ -142,7 +142,7 @@ def _hits(cache_dir: Path) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.library:
         return library_demo(shards=args.shards, samples=args.samples, workdir=args.dir)
-    from proxy.demo import proxy_demo
+    from shardcache.cli.proxydemo import proxy_demo
 
     return proxy_demo(shards=args.shards, samples=args.samples)
 
