@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from shardcache.cli.tools import configuration_reference
+from shardcache.cli.configref import configuration_reference
 
 TARGET = Path(__file__).resolve().parent / "configuration.md"
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from shardcache.cli import build_parser
-from shardcache.cli.tools import _subparser, configuration_reference
+from shardcache.cli.configref import _subparser, configuration_reference
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 

@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from opshelpers import Origin, ProxyProcess, make_shard, running
 
-from shardcache.cli import tools
+from shardcache.cli import common as tools
+from shardcache.cli import prefetch
 
 SHARDS = {f"/data/train-{i:03d}.tar": make_shard(i, 200_000 + 1000 * i) for i in range(6)}
 
@@ -234,10 +235,10 @@ def test_format_stat():
 
 def test_summary_rows_group_by_outcome():
     rs = [
-        tools.ShardResult("u1", True, 10, 0.1, "HIT"),
-        tools.ShardResult("u2", True, 20, 0.1, "MISS"),
-        tools.ShardResult("u3", False, 0, 0.1, "", "HTTP 404"),
+        prefetch.ShardResult("u1", True, 10, 0.1, "HIT"),
+        prefetch.ShardResult("u2", True, 20, 0.1, "MISS"),
+        prefetch.ShardResult("u3", False, 0, 0.1, "", "HTTP 404"),
     ]
-    rows = tools.summarize(rs, 1.0)
+    rows = prefetch.summarize(rs, 1.0)
     assert [r[0] for r in rows] == ["HIT", "MISS", "FAILED", "total"]
     assert rows[-1][1] == 3 and rows[-1][2] == "30 B"

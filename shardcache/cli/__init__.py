@@ -21,7 +21,8 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "proxy.cli",  # serve, check
     "shardcache.cli.demo",  # demo
     "dbcache.cli",  # dbcache build|info|export
-    "shardcache.cli.tools",  # prefetch, stats, ls
+    "shardcache.cli.prefetch",  # prefetch
+    "shardcache.cli.stats",  # stats, ls
 )
 
 log = logging.getLogger("shardcache")

@@ -1,0 +1,115 @@
+"""The configuration reference (docs/configuration.md), generated from the parsers of
+``serve`` and the tools."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Sequence
+
+from shardcache.cli.common import PROXY_ENV, ToolError
+
+# --------------------------------------------------------------------------- configuration
+
+
+_DEFAULT_RE = re.compile(r"\s*\(default:? ([^()]*(?:\([^()]*\))?[^()]*)\)")
+_ENV_RE = re.compile(r"\s*\[env [A-Z0-9_]+\]|\s*\(env [A-Z0-9_]+[^)]*\)")
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    raise ToolError(f"no {name!r} subcommand in the CLI")
+
+
+def option_rows(
+    parser: argparse.ArgumentParser, env_of: Callable[[argparse.Action], str | None]
+) -> list[tuple[str, str, str, str]]:
+    """(flag, environment variable, default, meaning) for each option of ``parser``.
+
+    The default is the argparse default when there is one, else what the help text says
+    in ``(default X)``; the help text loses its ``[env ...]`` and ``(default ...)`` notes.
+    """
+    rows = []
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction) or not action.option_strings:
+            continue
+        flag = max(action.option_strings, key=len)
+        if action.nargs != 0:
+            flag += " " + (action.metavar or action.dest.upper())
+        text = (action.help or "").replace("%%", "%")  # argparse escapes
+        default = ""
+        if action.default not in (None, False, argparse.SUPPRESS):
+            default = str(action.default)
+        m = _DEFAULT_RE.search(text)
+        if m:
+            default = default or m.group(1).strip()
+            text = text[: m.start()] + text[m.end() :]
+        text = _ENV_RE.sub("", text).strip()
+        if "(required)" in text:
+            text = text.replace("(required)", "").strip()
+            default = "required"
+        if action.choices:
+            text += " (one of: " + ", ".join(map(str, action.choices)) + ")"
+        if isinstance(action, argparse._AppendAction):
+            text += " (repeatable)" if "repeatable" not in text else ""
+        rows.append((flag, env_of(action) or "", default, " ".join(text.split())))
+    return rows
+
+
+def _md_table(rows: Sequence[tuple[str, str, str, str]]) -> str:
+    def cell(s: str, code: bool = False) -> str:
+        s = s.replace("|", "\\|")
+        return f"`{s}`" if code and s else (s or "—")
+
+    out = ["| Flag | Environment variable | Default | Meaning |", "|---|---|---|---|"]
+    for flag, env, default, text in rows:
+        out.append(
+            f"| {cell(flag, True)} | {cell(env, True)} | {cell(default, True)} | {cell(text)} |"
+        )
+    return "\n".join(out)
+
+
+def configuration_reference() -> str:
+    """The configuration reference (markdown), generated from the CLI's own parsers."""
+    from proxy.config import ENV_PREFIX
+    from shardcache.cli import build_parser
+
+    parser = build_parser()
+    serve = _subparser(parser, "serve")
+
+    def serve_env(action: argparse.Action) -> str:
+        return ENV_PREFIX + action.dest.upper()
+
+    def tool_env(action: argparse.Action) -> str | None:
+        return {"proxy": PROXY_ENV, "cache_dir": "SHARDCACHE_CACHE_DIR"}.get(action.dest)
+
+    parts = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated from the code by `python docs/gen_configuration.py`; do not edit by "
+        "hand. tests/test_configuration_doc.py fails when this file and the code disagree. -->",
+        "",
+        "## `shardcache serve`",
+        "",
+        "Every flag can also be given as an environment variable; a flag on the command line "
+        "wins over the variable. Settings are read and validated once at startup, and a bad "
+        "value stops the proxy with a message naming the flag. Sizes accept `500G`, `1.5T`, "
+        "`10MiB` or plain bytes. Lists in an environment variable (`SHARDCACHE_UPSTREAM`, "
+        "`SHARDCACHE_ALLOW_HOST`) are separated by commas or spaces.",
+        "",
+        _md_table(option_rows(serve, serve_env)),
+        "",
+    ]
+    for name in ("prefetch", "stats", "ls"):
+        sub = _subparser(parser, name)
+        parts += [
+            f"## `shardcache {name}`",
+            "",
+            " ".join((sub.description or getattr(sub, "help", "") or "").split()) or "",
+            "",
+            _md_table(option_rows(sub, tool_env)),
+            "",
+        ]
+    return "\n".join(p for p in parts if p is not None).rstrip() + "\n"

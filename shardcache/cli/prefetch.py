@@ -1,0 +1,299 @@
+"""``shardcache prefetch PATTERN``: warm a brace pattern of shards through a running
+proxy. It GETs every shard with bounded concurrency, discards the bytes, shows progress
+(bytes/s, ETA) and ends with a summary table; exit status 1 names every shard that
+failed. The proxy address comes from ``--proxy``, else ``SHARDCACHE_PROXY``, else
+``http://127.0.0.1:8080``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardcache.cli.common import (
+    CHUNK,
+    PROXY_HELP,
+    ToolError,
+    _positive_float,
+    _positive_int,
+    _resolve_proxy,
+    _rich_console,
+    estimate_total,
+    eta_seconds,
+    human_bytes,
+    human_duration,
+    print_table,
+    proxy_url,
+)
+from shardcache.errors import ShardcacheError
+
+# --------------------------------------------------------------------------- prefetch
+
+
+@dataclass
+class ShardResult:
+    """What fetching one shard through the proxy gave."""
+
+    url: str
+    ok: bool
+    bytes: int = 0
+    seconds: float = 0.0
+    cache: str = ""
+    error: str = ""
+
+
+@dataclass
+class Progress:
+    """Running totals of a prefetch, shared by the fetch tasks and the display."""
+
+    n_total: int
+    started: float = field(default_factory=time.monotonic)
+    done_bytes: int = 0
+    done_shards: int = 0
+    failed: int = 0
+    lengths: list[int] = field(default_factory=list)
+
+    def estimated_total(self) -> int | None:
+        return estimate_total(self.lengths, self.n_total)
+
+    def line(self) -> str:
+        """One status line: shards, bytes, rate, ETA."""
+        elapsed = time.monotonic() - self.started
+        rate = self.done_bytes / elapsed if elapsed > 0 else 0.0
+        total = self.estimated_total()
+        eta = eta_seconds(self.done_bytes, total, elapsed)
+        of = f" of ~{human_bytes(total)}" if total is not None else ""
+        fail = f", {self.failed} failed" if self.failed else ""
+        return (
+            f"{self.done_shards}/{self.n_total} shards{fail}, {human_bytes(self.done_bytes)}{of}, "
+            f"{human_bytes(rate)}/s, ETA {human_duration(eta)}"
+        )
+
+
+async def _fetch_one(
+    session: Any, url: str, progress: Progress, on_bytes: Callable[[], None]
+) -> ShardResult:
+    import aiohttp
+
+    t0 = time.monotonic()
+    got = 0
+    try:
+        async with session.get(url) as resp:
+            cache = resp.headers.get("X-Cache", "")
+            if resp.status != 200:
+                text = (await resp.text(errors="replace")).strip().splitlines()
+                first = text[0][:200] if text else resp.reason or ""
+                return ShardResult(
+                    url, False, 0, time.monotonic() - t0, cache, f"HTTP {resp.status}: {first}"
+                )
+            length = resp.content_length
+            if length is not None:
+                progress.lengths.append(length)
+            async for chunk in resp.content.iter_chunked(CHUNK):
+                got += len(chunk)
+                progress.done_bytes += len(chunk)
+                on_bytes()
+            if length is not None and got != length:
+                return ShardResult(
+                    url,
+                    False,
+                    got,
+                    time.monotonic() - t0,
+                    cache,
+                    f"short body: {got} of {length} bytes",
+                )
+            return ShardResult(url, True, got, time.monotonic() - t0, cache)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        reason = str(exc) or type(exc).__name__
+        if got:
+            reason = f"{reason} after {got} bytes"
+        return ShardResult(url, False, got, time.monotonic() - t0, "", reason)
+
+
+async def prefetch_urls(
+    urls: Sequence[str],
+    concurrency: int = 8,
+    timeout: float | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> list[ShardResult]:
+    """GET every URL with at most ``concurrency`` at once, discarding the bytes.
+
+    Returns one result per URL, in the order given. ``timeout`` bounds each shard's read
+    between chunks (seconds; None for no bound). ``on_progress`` is called as bytes arrive.
+    """
+    import aiohttp
+
+    if concurrency < 1:
+        raise ToolError(f"--concurrency must be at least 1, got {concurrency}")
+    progress = Progress(n_total=len(urls))
+    notify = (lambda: on_progress(progress)) if on_progress else (lambda: None)
+    sem = asyncio.Semaphore(concurrency)
+    client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=timeout)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+
+    async with aiohttp.ClientSession(
+        timeout=client_timeout, connector=connector, auto_decompress=False
+    ) as session:
+
+        async def run(url: str) -> ShardResult:
+            async with sem:
+                result = await _fetch_one(session, url, progress, notify)
+            progress.done_shards += 1
+            progress.failed += not result.ok
+            notify()
+            return result
+
+        return list(await asyncio.gather(*(run(u) for u in urls)))
+
+
+def summarize(results: Sequence[ShardResult], wall: float) -> list[tuple[str, int, str, str]]:
+    """Summary rows (outcome, shards, bytes, rate) with a total row last."""
+    groups: dict[str, list[ShardResult]] = {}
+    for r in results:
+        key = (r.cache or "ok") if r.ok else "FAILED"
+        groups.setdefault(key, []).append(r)
+    order = ["HIT", "MISS", "COALESCED", "BYPASS", "ok", "FAILED"]
+    keys = sorted(groups, key=lambda k: (order.index(k) if k in order else len(order) - 1, k))
+    rows = []
+    for k in keys:
+        n_bytes = sum(r.bytes for r in groups[k])
+        rows.append((k, len(groups[k]), human_bytes(n_bytes), ""))
+    total = sum(r.bytes for r in results)
+    rate = f"{human_bytes(total / wall)}/s" if wall > 0 else "-"
+    rows.append(("total", len(results), human_bytes(total), rate))
+    return rows
+
+
+def _expand(pattern: str) -> list[str]:
+    try:
+        from shardcache.urls import expand_urls
+    except ImportError:  # pragma: no cover - shardcache.urls ships with the package
+        from braceexpand import braceexpand
+
+        def expand_urls(p: str) -> list[str]:
+            return list(braceexpand(p))
+
+    try:
+        urls = list(expand_urls(pattern))
+    except ShardcacheError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ToolError(f"bad pattern {pattern!r}: {exc}") from exc
+    if not urls:
+        raise ToolError(f"pattern {pattern!r} names no shards")
+    return urls
+
+
+def cmd_prefetch(args: argparse.Namespace) -> int:
+    """``shardcache prefetch``: warm a pattern of shards through a running proxy."""
+    proxy = _resolve_proxy(args.proxy)
+    items = _expand(args.pattern)
+    urls = [proxy_url(proxy, item) for item in items]
+    err = sys.stderr
+    console = None if args.quiet else _rich_console(err)
+    t0 = time.monotonic()
+
+    if console is not None:
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+        from rich.progress import (
+            Progress as RichProgress,
+        )
+
+        bar = RichProgress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(binary_units=True),
+            TransferSpeedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+        )
+        task = bar.add_task("prefetch", total=None)
+
+        def show(p: Progress) -> None:
+            finished = p.done_shards == p.n_total
+            bar.update(
+                task,
+                completed=p.done_bytes,
+                total=p.done_bytes if finished else p.estimated_total(),
+                description=f"{p.done_shards}/{p.n_total} shards"
+                + (f" ({p.failed} failed)" if p.failed else ""),
+            )
+
+        with bar:
+            results = asyncio.run(prefetch_urls(urls, args.concurrency, args.timeout, show))
+    else:
+        last = [0.0]
+        interactive = err.isatty()
+
+        def show(p: Progress) -> None:
+            now = time.monotonic()
+            final = p.done_shards == p.n_total
+            if args.quiet or (now - last[0] < (0.2 if interactive else 2.0) and not final):
+                return
+            last[0] = now
+            print(
+                ("\r" if interactive else "") + p.line(),
+                end="" if interactive else "\n",
+                file=err,
+                flush=True,
+            )
+
+        results = asyncio.run(prefetch_urls(urls, args.concurrency, args.timeout, show))
+        if interactive and not args.quiet:
+            print(file=err)
+
+    wall = time.monotonic() - t0
+    print_table(
+        f"prefetch through {proxy}: {len(results)} shards in {wall:.2f} s",
+        ["outcome", "shards", "bytes", "rate"],
+        summarize(results, wall),
+        right=(1, 2, 3),
+    )
+    failed = [r for r in results if not r.ok]
+    if failed:
+        print(f"shardcache prefetch: {len(failed)} of {len(results)} shards failed:", file=err)
+        for r in failed:
+            print(f"  {r.url}: {r.error}", file=err)
+        return 1
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``prefetch`` subcommand."""
+    p = subparsers.add_parser(
+        "prefetch",
+        help="warm a brace pattern of shards through a running proxy",
+        description="GET every shard of PATTERN through the proxy, discarding the bytes, "
+        "so that later readers hit the cache. PATTERN is a brace pattern of paths on the "
+        "proxy (e.g. '/shards/train-{000000..000099}.tar') or of absolute URLs of hosts "
+        "the proxy allows. Exits 1 naming the shards that failed.",
+    )
+    p.add_argument("pattern", metavar="PATTERN", help="brace pattern of shard paths or URLs")
+    p.add_argument("--proxy", default=None, help=PROXY_HELP)
+    p.add_argument(
+        "--concurrency",
+        "-j",
+        type=_positive_int,
+        default=8,
+        help="shards fetched at once (default: 8)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=300.0,
+        help="seconds without data before a shard counts as failed (default: 300)",
+    )
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress display")
+    p.set_defaults(func=cmd_prefetch)

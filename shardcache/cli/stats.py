@@ -1,0 +1,148 @@
+"""``shardcache stats`` (a running proxy's ``/-/stats`` as a table, ``--json`` for
+scripts) and ``shardcache ls --cache-dir DIR`` (the entries of an on-disk store)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from shardcache.cli.common import (
+    PROXY_HELP,
+    ToolError,
+    _resolve_proxy,
+    flatten,
+    format_stat,
+    format_time,
+    human_bytes,
+    print_table,
+)
+
+# --------------------------------------------------------------------------- stats
+
+
+def fetch_stats(proxy: str, timeout: float = 10.0) -> dict[str, Any]:
+    """GET ``/-/stats`` from ``proxy`` and return the decoded JSON object."""
+    import urllib.error
+    import urllib.request
+
+    url = f"{proxy}/-/stats"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            body = resp.read()
+    except urllib.error.HTTPError as exc:
+        raise ToolError(f"{url}: HTTP {exc.code} {exc.reason}") from exc
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ToolError(f"{url}: cannot reach the proxy ({reason})") from exc
+    try:
+        data = json.loads(body)
+    except ValueError as exc:
+        raise ToolError(f"{url}: answer is not JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ToolError(f"{url}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    """``shardcache stats``: the proxy's ``/-/stats`` as a table or JSON."""
+    proxy = _resolve_proxy(args.proxy)
+    data = fetch_stats(proxy)
+    if args.json:
+        json.dump(data, sys.stdout, indent=2, sort_keys=True)
+        print()
+        return 0
+    rows = [(k, format_stat(k, v)) for k, v in flatten(data)]
+    print_table(f"shardcache stats: {proxy}", ["stat", "value"], rows)
+    return 0
+
+
+# --------------------------------------------------------------------------- ls
+
+
+_LS_SORT: dict[str, tuple[Callable[[Any], Any], bool]] = {
+    "access": (lambda e: e.last_access or 0, True),
+    "size": (lambda e: e.size, True),
+    "hits": (lambda e: e.hits, True),
+    "url": (lambda e: e.url, False),
+}
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """``shardcache ls``: the entries of an on-disk store."""
+    from shardcache.store import INDEX_NAME, Store
+
+    cache_dir = args.cache_dir or os.environ.get("SHARDCACHE_CACHE_DIR")
+    if not cache_dir:
+        raise ToolError("--cache-dir: required (or set SHARDCACHE_CACHE_DIR)")
+    if not os.path.isdir(cache_dir):
+        raise ToolError(f"--cache-dir: {cache_dir} is not a directory")
+    # Opening a Store reconciles the directory; never do that to a directory that is not
+    # a cache (it would create an index there and treat uuid-named files as orphans).
+    if not os.path.exists(os.path.join(cache_dir, INDEX_NAME)):
+        raise ToolError(f"--cache-dir: {cache_dir} is not a shardcache cache (no {INDEX_NAME})")
+    key, reverse = _LS_SORT[args.sort]
+    with Store(cache_dir, reconcile=False) as store:
+        entries = sorted(store.entries(), key=key, reverse=reverse)
+    if args.json:
+        out = [
+            {
+                "url": e.url,
+                "size": e.size,
+                "last_access": e.last_access,
+                "created": e.created,
+                "hits": e.hits,
+                "etag": e.etag,
+                "key": e.key,
+                "path": str(e.path),
+            }
+            for e in entries
+        ]
+        json.dump(out, sys.stdout, indent=2)
+        print()
+        return 0
+    rows = [(human_bytes(e.size), format_time(e.last_access), e.hits, e.url) for e in entries]
+    total = sum(e.size for e in entries)
+    print_table(
+        f"{cache_dir}: {len(entries)} entries, {human_bytes(total)}",
+        ["size", "last access", "hits", "url"],
+        rows,
+        right=(0, 2),
+    )
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``stats`` and ``ls`` subcommands."""
+    s = subparsers.add_parser(
+        "stats",
+        help="show a running proxy's /-/stats",
+        description="Print the proxy's /-/stats (entries, bytes, hit ratio, downloads in "
+        "flight) as a table, or as JSON with --json.",
+    )
+    s.add_argument("--proxy", default=None, help=PROXY_HELP)
+    s.add_argument("--json", action="store_true", help="print the JSON as the proxy sent it")
+    s.set_defaults(func=cmd_stats)
+
+    ls = subparsers.add_parser(
+        "ls",
+        help="list the entries of a cache directory",
+        description="List the entries of a cache directory with their size, last access, "
+        "hits and source URL. Works beside a running proxy (the store is shared).",
+    )
+    ls.add_argument(
+        "--cache-dir",
+        default=None,
+        help="the proxy's cache directory [env SHARDCACHE_CACHE_DIR]",
+    )
+    ls.add_argument(
+        "--sort",
+        choices=sorted(_LS_SORT),
+        default="access",
+        help="order of the listing, largest or most recent first (default: access)",
+    )
+    ls.add_argument("--json", action="store_true", help="one JSON list for scripts")
+    ls.set_defaults(func=cmd_ls)
