@@ -632,12 +632,10 @@ async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse |
         if brange is not None:
             data = data[brange.start : brange.end + 1]
             headers["Content-Range"] = brange.content_range
-        resp = web.Response(
-            body=data,
-            status=206 if brange is not None else 200,
-            headers=headers,
-            content_type=entry.content_type or DEFAULT_TYPE,
-        )
+        # the upstream's type as it was sent: web.Response(content_type=) refuses one
+        # with parameters ("text/plain; charset=utf-8")
+        headers["Content-Type"] = entry.content_type or DEFAULT_TYPE
+        resp = web.Response(body=data, status=206 if brange is not None else 200, headers=headers)
         app[METRICS].ttfb.labels(cache="HIT").observe(time.monotonic() - request[T_START])
         return resp
     fobj = tier.open(entry)

@@ -573,3 +573,37 @@ async def test_readyz_says_why_it_is_not_ready(proxy):
         text = await r.text()
     assert r.status == 503
     assert text.startswith("not ready: shutting down") and text.count("\n") == 1
+
+
+async def test_a_content_type_with_parameters_is_served_as_sent(aiohttp_client, tmp_path):
+    """A small entry (RAM tier), a large one (sendfile) and a miss, each typed
+    ``text/plain; charset=utf-8`` by the upstream: 200 with that type, never a 500."""
+    from aiohttp import web as _web
+
+    from proxy.app import make_app
+    from proxy.config import parse_settings
+
+    bodies = {"small.txt": b"a" * 10, "large.txt": b"b" * (600 << 10)}
+
+    async def handler(request):
+        return _web.Response(
+            body=bodies[request.match_info["name"]],
+            headers={"Content-Type": "text/plain; charset=utf-8"},
+        )
+
+    origin_app = _web.Application()
+    origin_app.router.add_get("/{name}", handler)
+    origin = await aiohttp_client(origin_app)
+    settings = parse_settings(
+        ["--cache-dir", str(tmp_path / "c"), "--upstream", str(origin.make_url("/"))], {}
+    )
+    client = await aiohttp_client(make_app(settings))
+    for name, body in bodies.items():
+        for _ in range(3):  # miss, then hits (after the commit)
+            async with client.get(f"/{name}") as r:
+                assert r.status == 200, await r.text()
+                assert r.headers["Content-Type"] == "text/plain; charset=utf-8"
+                assert await r.read() == body
+            await settle(client)
+        async with client.get(f"/{name}", headers={"Range": "bytes=2-4"}) as r:
+            assert r.status == 206 and await r.read() == body[2:5]
