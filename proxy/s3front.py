@@ -472,8 +472,8 @@ class S3Front:
         if target.kind == "other":
             if not s3ish or self.catch_all or not _BUCKET_NAME_RE.match(target.bucket):
                 return await handler(request)  # the proxy's own paths
-        elif target.kind == "service" and not s3ish:
-            return await handler(request)
+        elif target.kind == "service" and not s3ish and not self.buckets:
+            return await handler(request)  # no bucket to list: the proxy's own 404
         elif (
             target.kind == "bucket"
             and not s3ish

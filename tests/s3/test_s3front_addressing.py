@@ -265,3 +265,14 @@ def test_listings_page_over_more_than_1000_keys(proxy, boto):
             boto.delete_objects(
                 Bucket=BUCKET, Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]]}
             )
+
+
+def test_list_buckets_for_an_anonymous_client_without_s3_headers(proxy):
+    """rclone without credentials sends GET / with no Authorization and no x-amz-*
+    header: it gets the ListAllMyBuckets document, not the proxy's 404."""
+    status, headers, body = raw(proxy, "GET", "/")
+    assert status == 200, body
+    root = ET.fromstring(body)
+    assert root.tag == f"{NS}ListAllMyBucketsResult"
+    assert sorted(b.text for b in root.iter(f"{NS}Name")) == ["all", "shards"]
+    assert headers.get("x-amz-request-id")
