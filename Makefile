@@ -6,8 +6,12 @@ VENV := .venv
 TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-*+cpu-cp311-*.whl))
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
+# The heavy S3 clients (s3torchconnector, mosaicml-streaming, litdata) get a venv of their
+# own: they need torchvision, which PyPI builds against PyPI's (CUDA) torch only, and
+# would replace the CPU torch of $(VENV).
+CLIENTS_VENV := .venv-clients
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-clients lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +31,17 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -m "not clients"
+
+$(CLIENTS_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install --quiet --upgrade pip
+	$(CLIENTS_VENV)/bin/pip install --quiet -e '.[test,clients]'
+	touch $@
+
+# Real third-party S3 clients through the S3 front, the heavy ones (tests marked `clients`).
+test-clients: $(CLIENTS_VENV)/.installed
+	$(CLIENTS_VENV)/bin/python -m pytest -q -p no:cacheprovider -m clients tests/s3
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
@@ -36,4 +50,4 @@ bench: $(VENV)/.installed-test
 	$(PY) bench/pipeline.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(CLIENTS_VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
