@@ -164,12 +164,32 @@ def virtual_bucket(host: str | None, domains: Sequence[str]) -> str | None:
     return None
 
 
+# User-Agent markers of S3 clients that may send requests with no S3 header at all
+# (anonymous CRT-based readers such as s3torchconnector, rclone, obstore)
+_S3_AGENTS = (
+    "aws-",
+    "boto",
+    "crts3",
+    "s3torchconnector",
+    "mountpoint-s3",
+    "s5cmd",
+    "rclone",
+    "object_store",
+    "obstore",
+    "s3fs",
+    "minio",
+)
+
+
 def is_s3_request(headers: Mapping[str, str], query: Mapping[str, str]) -> bool:
     """Whether the request comes from an S3 SDK (and so wants S3 XML errors)."""
     auth = headers.get("Authorization", "")
     if auth.startswith(("AWS4-HMAC-SHA256", "AWS ")) or "X-Amz-Algorithm" in query:
         return True
-    return any(k.lower().startswith(("x-amz-", "amz-sdk-")) for k in headers)
+    if any(k.lower().startswith(("x-amz-", "amz-sdk-")) for k in headers):
+        return True
+    agent = headers.get("User-Agent", "").lower()
+    return any(marker in agent for marker in _S3_AGENTS)
 
 
 def _int_param(query: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
@@ -302,11 +322,19 @@ def render_list_v2(
     return render_list(bucket, query, result, base_prefix)
 
 
-def render_error(code: str, message: str, resource: str, request_id: str) -> bytes:
-    """An S3 ``<Error>`` body."""
+def render_error(
+    code: str,
+    message: str,
+    resource: str,
+    request_id: str,
+    extra: Mapping[str, Any] | None = None,
+) -> bytes:
+    """An S3 ``<Error>`` body (``extra``: further elements, e.g. ActualObjectSize)."""
     root = ET.Element("Error")
     _sub(root, "Code", code)
     _sub(root, "Message", " ".join(message.split()))
+    for tag, value in (extra or {}).items():
+        _sub(root, tag, value)
     _sub(root, "Resource", resource)
     _sub(root, "RequestId", request_id)
     return _xml(root)
@@ -506,7 +534,7 @@ class S3Front:
             if not s3ish:
                 raise
             status, code = error_answer(exc)
-            return self._error(request, status, code, str(exc), resource, request_id)
+            return self._error(request, status, code, str(exc), resource, request_id, exc)
         except web.HTTPException as exc:
             if not s3ish or exc.status < 400:
                 raise
@@ -522,10 +550,24 @@ class S3Front:
             response.headers.setdefault("x-amz-request-id", rid)
 
     def _error(
-        self, request: web.Request, status: int, code: str, message: str, resource: str, rid: str
+        self,
+        request: web.Request,
+        status: int,
+        code: str,
+        message: str,
+        resource: str,
+        rid: str,
+        exc: BaseException | None = None,
     ) -> web.Response:
         headers = {"x-amz-request-id": rid}
-        body = render_error(code, message, resource, rid)
+        extra: dict[str, Any] = {}
+        content_range = (getattr(exc, "headers", None) or {}).get("Content-Range", "")
+        if status == 416 and content_range.startswith("bytes */"):
+            # what S3 says of a range past the end; the CRT (s3torchconnector) reads an
+            # empty object's size from it
+            headers["Content-Range"] = content_range
+            extra["ActualObjectSize"] = content_range[len("bytes */") :]
+        body = render_error(code, message, resource, rid, extra)
         if request.method == "HEAD":
             return web.Response(status=status, headers=headers)
         return web.Response(
@@ -623,7 +665,13 @@ class S3Front:
             for k, v in request.query.items():
                 if k in IGNORABLE_OBJECT_PARAMS or k in PRESIGN_PARAMS:
                     continue
-                if k in ("versionId", "partNumber"):
+                if k == "partNumber" and v == "1":
+                    continue  # an object uploaded in one piece is its own part 1
+                if k == "partNumber":
+                    raise S3Error(
+                        416, "InvalidPartNumber", f"part {v} does not exist: objects are one part"
+                    )
+                if k == "versionId":
                     raise S3Error(501, "NotImplemented", f"{k} is not supported by this front")
                 keep.append((k, v))
             if keep:

@@ -276,3 +276,31 @@ def test_list_buckets_for_an_anonymous_client_without_s3_headers(proxy):
     assert root.tag == f"{NS}ListAllMyBucketsResult"
     assert sorted(b.text for b in root.iter(f"{NS}Name")) == ["all", "shards"]
     assert headers.get("x-amz-request-id")
+
+
+CRT_AGENT = "s3torchconnector/1.5.0 mountpoint-s3-client/0.14.1 CRTS3NativeClient/0.1.x"
+
+
+def test_an_empty_object_read_the_way_the_crt_does(proxy):
+    """aws-c-s3 (s3torchconnector) asks a first part with a Range and no S3 header; on
+    an empty object it needs S3's 416 InvalidRange with ActualObjectSize, then asks
+    ?partNumber=1 without a range."""
+    ua = {"User-Agent": CRT_AGENT}
+    status, headers, body = raw(
+        proxy, "GET", "/shards/empty.tar", headers={**ua, "Range": "bytes=0-8388607"}
+    )
+    assert status == 416, body
+    assert headers["content-type"].startswith("application/xml")
+    assert error_code(body) == "InvalidRange"
+    assert ET.fromstring(body).findtext("ActualObjectSize") == "0"
+    status, _, body = raw(proxy, "GET", "/shards/empty.tar?partNumber=1", headers=ua)
+    assert status == 200 and body == b""
+    status, _, body = raw(proxy, "GET", "/shards/small.tar?partNumber=1", headers=ua)
+    assert status == 200 and body == OBJECTS["shards/small.tar"]
+    status, _, body = raw(proxy, "GET", "/shards/small.tar?partNumber=2", headers=ua)
+    assert status == 416 and error_code(body) == "InvalidPartNumber"
+    # past the end of a non-empty object: the size too
+    status, _, body = raw(
+        proxy, "GET", "/shards/small.tar", headers={**ua, "Range": "bytes=20000-"}
+    )
+    assert status == 416 and ET.fromstring(body).findtext("ActualObjectSize") == "10000"
