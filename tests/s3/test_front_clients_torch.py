@@ -1,7 +1,8 @@
 """The torch-based S3 readers through the S3 front: s3torchconnector, MosaicML Streaming
 and LitData, against a real proxy with SeaweedFS behind it (the ``proxy`` fixture of
-test_proxy_s3). Marked ``clients``: ``make test-clients`` installs the ``clients`` extra in a
-venv of its own and runs them; without the packages they skip, naming the package.
+test_proxy_s3; for LitData the same proxy over HTTPS, ``tls_proxy``). Marked ``clients``:
+``make test-clients`` installs the ``clients`` extra in a venv of its own and runs them;
+without the packages they skip, naming the package.
 
 Bytes are checked (sha256 against the fixture objects or the written samples) and
 listings against the bucket as SeaweedFS lists it.
@@ -197,13 +198,111 @@ def test_mosaicml_streaming_dataset(
 # --- LitData ---------------------------------------------------------------------------------
 
 
-def test_litdata_streaming_dataset():
-    """LitData fetches index.json with boto3 but its chunks with obstore, built with its own
-    client options and no ``allow_http``: obstore refuses a plain http endpoint ("builder
-    error"), so LitData can read through the front only over HTTPS (``--tls-cert`` /
-    ``--tls-key``, with obstore trusting the certificate)."""
+def litdata_sample(i: int) -> dict:
+    """One sample of the LitData dataset (module level: ``optimize`` pickles it for its
+    worker processes)."""
+    return {
+        "key": f"sample-{i:04d}",
+        "data": hashlib.sha256(f"lit-{i}".encode()).digest() * (8 + i),
+    }
+
+
+@pytest.fixture(scope="module")
+def tls_proxy(seaweed, tmp_path_factory):
+    """The S3 front over HTTPS: a throwaway trustme CA (test_tls.Certs) and a server
+    certificate for ``localhost``/``127.0.0.1``; yields (proxy, certs)."""
     pytest.importorskip("litdata", reason="litdata is not installed: pip install litdata")
-    pytest.skip(
-        "LitData: its obstore chunk reads refuse plain http (no allow_http option reaches "
-        "obstore); needs the front over HTTPS, not set up by this test yet"
+    pytest.importorskip("trustme", reason="trustme is not installed: pip install trustme")
+    from test_tls import Certs
+
+    certs = Certs(tmp_path_factory.mktemp("litdata-certs"))
+    tmp = tmp_path_factory.mktemp("s3proxy-tls")
+    p = test_proxy_s3._start(seaweed, tmp, seaweed.access_key, seaweed.secret_key, *certs.args())
+    try:
+        assert p.scheme == "https"
+        yield p, certs
+    finally:
+        p.stop()
+
+
+def record_obstore_reads(monkeypatch) -> list[str]:
+    """The keys of obstore's successful reads, from now on (LitData imports obstore at each
+    call, so patching the module's functions reaches it)."""
+    import obstore
+
+    reads: list[str] = []
+
+    def recording(name):
+        real = getattr(obstore, name)
+        if name.endswith("_async"):
+
+            async def spy(store, key, *args, **kwargs):
+                result = await real(store, key, *args, **kwargs)
+                reads.append(key)
+                return result
+
+        else:
+
+            def spy(store, key, *args, **kwargs):
+                result = real(store, key, *args, **kwargs)
+                reads.append(key)
+                return result
+
+        monkeypatch.setattr(obstore, name, spy)
+
+    for name in ("get", "get_range", "get_ranges"):
+        recording(name)
+        recording(name + "_async")
+    return reads
+
+
+def test_litdata_streaming_dataset(tls_proxy, boto, anonymous_env, tmp_path):
+    """LitData fetches index.json with boto3 but its chunks with obstore, built from the
+    boto3 client's endpoint and region with client options of its own (no ``allow_http``,
+    no root certificate): obstore refuses a plain http endpoint ("builder error"), so
+    LitData reads through the front over HTTPS. boto3 trusts the CA through ``verify`` in
+    ``storage_options``; obstore (reqwest, rustls with the native roots) through
+    ``SSL_CERT_FILE``. obstore signs with the boto3 client's credentials, so there must be
+    some: any key pair passes an anonymous front."""
+    import litdata
+    from litdata import StreamingDataset
+
+    proxy, certs = tls_proxy
+    out = tmp_path / "lit-local"
+    n = 60
+    litdata.optimize(
+        fn=litdata_sample,
+        inputs=list(range(n)),
+        output_dir=str(out),
+        chunk_bytes=4096,
+        num_workers=1,
+        verbose=False,
     )
+    files = sorted(p for p in out.rglob("*") if p.is_file())
+    assert len(files) > 3, files  # index.json and several chunks
+    for p in files:
+        boto.put_object(Bucket=BUCKET, Key=f"litdata/ds/{p.relative_to(out)}", Body=p.read_bytes())
+    want = {s["key"]: sha(s["data"]) for s in map(litdata_sample, range(n))}
+
+    env = anonymous_env
+    env.setenv("AWS_ACCESS_KEY_ID", "anything")
+    env.setenv("AWS_SECRET_ACCESS_KEY", "anything")
+    env.setenv("SSL_CERT_FILE", str(certs.ca))
+    obstore_reads = record_obstore_reads(env)
+    ds = StreamingDataset(
+        input_dir="s3://all/litdata/ds",
+        cache_dir=str(tmp_path / "lit-cache"),
+        storage_options={
+            "endpoint_url": f"https://localhost:{proxy.port}",
+            "region_name": "us-east-1",
+            "verify": str(certs.ca),
+        },
+    )
+    assert len(ds) == n
+    got = {s["key"]: sha(s["data"]) for s in ds}
+    assert got == want
+    # every chunk came through obstore, the index through boto3
+    chunks = {f"litdata/ds/{p.name}" for p in files if p.name != "index.json"}
+    assert set(obstore_reads) == chunks
+    # random access too
+    assert sha(ds[17]["data"]) == want["sample-0017"]
