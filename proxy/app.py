@@ -418,7 +418,7 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                 cache = "MISS"
             elif claimed:
                 # started meanwhile by another request of this worker, under the same claim
-                dl.claimed = True
+                dl.hold_claim()
         if dl.verified:
             cache = "HIT"  # every byte is local already; only the commit is pending
         try:

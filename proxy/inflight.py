@@ -148,6 +148,11 @@ class Download:
         self.state = State.DONE
         self._notify()
 
+    def hold_claim(self) -> None:
+        """This download also holds the store's cross-process claim on its URL (taken by
+        a request that found it started meanwhile); released when it ends."""
+        self.claimed = True
+
     def ended(self) -> None:
         """The download task is done with this download (whatever its state)."""
         self._notify()
@@ -404,7 +409,8 @@ class Inflight:
         if url in self._downloads:
             return self.get(url)  # type: ignore[return-value]
         dl = Download(url)
-        dl.claimed = claimed
+        if claimed:
+            dl.hold_claim()
         dl.acquire()
         self._downloads[url] = dl
         dl.task = asyncio.get_running_loop().create_task(self._run(dl), name=f"download {url}")
