@@ -271,3 +271,19 @@ def make_shard(n_samples: int, seed: int = 0, size: int = 1000) -> bytes:
                 info.mtime = 1700000000
                 tf.addfile(info, io.BytesIO(payload))
     return buf.getvalue()
+
+
+def aws_env(access_key: str | None, secret_key: str | None, tmp: Path) -> dict[str, str]:
+    """This process's environment for a proxy subprocess with an s3:// upstream: the
+    given key pair (None: no credentials, unsigned requests) and nothing else of the
+    machine's AWS settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    if access_key is not None and secret_key is not None:
+        env.update(AWS_ACCESS_KEY_ID=access_key, AWS_SECRET_ACCESS_KEY=secret_key)
+    env.update(
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_CONFIG_FILE=str(tmp / "no-aws-config"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp / "no-aws-credentials"),
+    )
+    return env

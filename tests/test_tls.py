@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from proxy_helpers import Fault, Origin, ProxyProcess
+from proxy_helpers import Fault, Origin, ProxyProcess, aws_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -479,16 +479,7 @@ def seaweed(tmp_path_factory):
 
 
 def _s3_proxy_env(seaweed, tmp: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(
-        AWS_ACCESS_KEY_ID=seaweed.access_key,
-        AWS_SECRET_ACCESS_KEY=seaweed.secret_key,
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_EC2_METADATA_DISABLED="true",
-        AWS_CONFIG_FILE=str(tmp / "no-aws-config"),
-        AWS_SHARED_CREDENTIALS_FILE=str(tmp / "no-aws-credentials"),
-    )
-    return env
+    return aws_env(seaweed.access_key, seaweed.secret_key, tmp)
 
 
 def _upstream_bytes(certs: Certs, port: int) -> float:

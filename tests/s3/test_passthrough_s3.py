@@ -25,6 +25,7 @@ import pytest
 from conftest import BUCKET
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from proxy_helpers import aws_env  # noqa: E402
 from store_faults import fill  # noqa: E402
 from test_passthrough import (  # noqa: E402
     CLIENT_TIMEOUT,
@@ -123,17 +124,7 @@ class Relay:
 
 
 def _proxy_env(seaweed, tmp: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(
-        AWS_ACCESS_KEY_ID=seaweed.access_key,
-        AWS_SECRET_ACCESS_KEY=seaweed.secret_key,
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_EC2_METADATA_DISABLED="true",
-        AWS_CONFIG_FILE=str(tmp / "no-aws-config"),
-        AWS_SHARED_CREDENTIALS_FILE=str(tmp / "no-aws-credentials"),
-    )
-    return env
-
+    return aws_env(seaweed.access_key, seaweed.secret_key, tmp)
 
 
 @pytest.fixture

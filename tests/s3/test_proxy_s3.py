@@ -22,7 +22,7 @@ import pytest
 from conftest import BUCKET, OBJECTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from proxy_helpers import ProxyProcess, make_shard  # noqa: E402
+from proxy_helpers import ProxyProcess, aws_env, make_shard  # noqa: E402
 
 from shardcache.urls import proxied  # noqa: E402
 
@@ -30,16 +30,7 @@ MEDIUM = OBJECTS["shards/medium.tar"]
 
 
 def _proxy_env(access_key: str, secret_key: str, tmp: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(
-        AWS_ACCESS_KEY_ID=access_key,
-        AWS_SECRET_ACCESS_KEY=secret_key,
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_EC2_METADATA_DISABLED="true",
-        AWS_CONFIG_FILE=str(tmp / "no-aws-config"),
-        AWS_SHARED_CREDENTIALS_FILE=str(tmp / "no-aws-credentials"),
-    )
-    return env
+    return aws_env(access_key, secret_key, tmp)
 
 
 def _start(seaweed, tmp: Path, access_key: str, secret_key: str, *extra: str) -> ProxyProcess:
@@ -207,13 +198,11 @@ def test_webdataset_reads_s3_shards_through_proxied(proxy, boto):
     assert samples[0]["__key__"] == "sample00000000"
 
 
-def test_signed_front_with_the_configured_key_pair(seaweed, tmp_path):
-    import boto3
-    from botocore.config import Config
-
-    p = _start(
+def start_signed_front(seaweed, tmp: Path) -> ProxyProcess:
+    """A proxy whose S3 front requires the key pair front-key / front-secret."""
+    return _start(
         seaweed,
-        tmp_path,
+        tmp,
         seaweed.access_key,
         seaweed.secret_key,
         "--s3-front-access-key",
@@ -221,6 +210,13 @@ def test_signed_front_with_the_configured_key_pair(seaweed, tmp_path):
         "--s3-front-secret-key",
         "front-secret",
     )
+
+
+def test_signed_front_with_the_configured_key_pair(seaweed, tmp_path):
+    import boto3
+    from botocore.config import Config
+
+    p = start_signed_front(seaweed, tmp_path)
     try:
 
         def client(secret: str):

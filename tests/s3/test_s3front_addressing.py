@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import OBJECTS
-from test_proxy_s3 import MEDIUM, _start
+from test_proxy_s3 import MEDIUM, _start, start_signed_front
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -193,16 +193,7 @@ def test_signed_virtual_hosted_requests(seaweed, tmp_path, localhost_subdomains)
     import boto3
     from botocore.config import Config
 
-    p = _start(
-        seaweed,
-        tmp_path,
-        seaweed.access_key,
-        seaweed.secret_key,
-        "--s3-front-access-key",
-        "front-key",
-        "--s3-front-secret-key",
-        "front-secret",
-    )
+    p = start_signed_front(seaweed, tmp_path)
     try:
 
         def signed(style: str, secret: str = "front-secret"):

@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from badorigin import BadOrigin, Version  # noqa: E402
-from proxy_helpers import ProxyProcess  # noqa: E402
+from proxy_helpers import ProxyProcess, aws_env  # noqa: E402
 from test_upstream_faults import (  # noqa: E402
     COMMON,
     CUT40,
@@ -56,14 +56,7 @@ MODES: dict[str, tuple[str, ...]] = {
 
 def _env(tmp: Path) -> dict[str, str]:
     """No AWS credentials anywhere: unsigned requests."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_EC2_METADATA_DISABLED="true",
-        AWS_CONFIG_FILE=str(tmp / "no-aws-config"),
-        AWS_SHARED_CREDENTIALS_FILE=str(tmp / "no-aws-credentials"),
-    )
-    return env
+    return aws_env(None, None, tmp)
 
 
 @pytest.fixture(params=list(MODES))
