@@ -49,6 +49,10 @@ class Settings:
     grace_period: float = 30.0
     max_path_length: int = 1024
     prefetch_concurrency: int = 4
+    plan_ttl: float = 600.0
+    plan_lookahead: int = 8
+    max_plans: int = 64
+    max_plan_shards: int = 1_000_000
     chunk_size: int = 1 << 20
     part_size: int = 8 * 1024 * 1024
     parallel: int = 8
@@ -104,7 +108,23 @@ _OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("--retries", "retries", "resume attempts after an upstream fails mid-body (default 3)"),
     ("--grace-period", "grace_period", "seconds to let responses finish on SIGTERM (default 30)"),
     ("--max-path-length", "max_path_length", "longest accepted request path (default 1024)"),
-    ("--prefetch-concurrency", "prefetch_concurrency", "parallel prefetch downloads (default 4)"),
+    (
+        "--prefetch-concurrency",
+        "prefetch_concurrency",
+        "parallel background downloads for read plans and prefetch (default 4)",
+    ),
+    (
+        "--plan-ttl",
+        "plan_ttl",
+        "seconds a read plan lives after its reader's last request (default 600)",
+    ),
+    (
+        "--plan-lookahead",
+        "plan_lookahead",
+        "shards a read plan keeps downloading ahead of its reader, at most (default 8)",
+    ),
+    ("--max-plans", "max_plans", "read plans registered at once, at most (default 64)"),
+    ("--max-plan-shards", "max_plan_shards", "shards in one read plan, at most (default 1000000)"),
     (
         "--part-size",
         "part_size",
@@ -304,6 +324,10 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         ("--grace-period", "grace_period", float, 0),
         ("--max-path-length", "max_path_length", int, 16),
         ("--prefetch-concurrency", "prefetch_concurrency", int, 1),
+        ("--plan-ttl", "plan_ttl", float, 1),
+        ("--plan-lookahead", "plan_lookahead", int, 1),
+        ("--max-plans", "max_plans", int, 1),
+        ("--max-plan-shards", "max_plan_shards", int, 1),
         ("--store-probe-interval", "store_probe_interval", float, 0.05),
         ("--workers", "workers", int, 1),
     ):
