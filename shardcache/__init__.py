@@ -75,6 +75,10 @@ _LAZY: dict[str, str] = {
     "WorkerEnvironment": "shardcache.workers",
     # dataset
     "ShardDataset": "shardcache.dataset",
+    # read plans
+    "plan": "shardcache.plans",
+    "Plan": "shardcache.plans",
+    "PlanError": "shardcache.plans",
     # the SQLite sample store
     "DBCache": "dbcache",
     "get_uuid": "dbcache",
@@ -116,6 +120,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         warn_and_continue,
         warn_and_stop,
     )
+    from shardcache.plans import Plan, PlanError, plan  # noqa: F401
     from shardcache.sources import CachedSource, DataSource, URLSource  # noqa: F401
     from shardcache.store import CheckReport, Entry, Partial, Store  # noqa: F401
     from shardcache.tariterators import (  # noqa: F401

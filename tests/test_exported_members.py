@@ -25,6 +25,8 @@ EXPECTED = {
     # sources, workers, dataset
     "DataSource", "URLSource", "CachedSource", "split_by_node", "split_by_worker",
     "WorkerEnvironment", "ShardDataset",
+    # read plans
+    "plan", "Plan", "PlanError",
     # DBCache
     "DBCache", "get_uuid",
 }  # fmt: skip
