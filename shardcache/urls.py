@@ -135,7 +135,26 @@ def _match_rule(url: str, rules: list[tuple[str, str]]) -> tuple[str, str] | Non
     return best
 
 
-def _map_prefix(url: str, base: str, rules: list[tuple[str, str]]) -> str:
+def _not_under(url: str, rules: list[tuple[str, str]]) -> ProxyURLError:
+    """The error for an absolute URL under none of the upstreams, when the absolute form
+    was not asked for."""
+    absolute = (
+        "absolute=True for the proxy's absolute-URL form (served only for hosts named "
+        "with --allow-host)"
+    )
+    if not rules:
+        return ProxyURLError(
+            f"{url!r}: no upstream given; pass the proxy's --upstream values as "
+            f"upstream=..., or {absolute}"
+        )
+    names = ", ".join(f"{name}={ubase}" if name else ubase for name, ubase in rules)
+    return ProxyURLError(
+        f"{url!r} is under none of the upstreams ({names}); check both for a typo, "
+        f"or pass {absolute}"
+    )
+
+
+def _map_prefix(url: str, base: str, rules: list[tuple[str, str]], absolute: bool) -> str:
     """Map one URL (or the fixed prefix of a pattern) to its proxy URL."""
     rule = _match_rule(url, rules)
     if rule is not None:
@@ -152,6 +171,8 @@ def _map_prefix(url: str, base: str, rules: list[tuple[str, str]]) -> str:
             )
         return f"{base}/{rest}"
     if _SCHEME_RE.match(url):
+        if not absolute:
+            raise _not_under(url, rules)
         return f"{base}/{url}"
     raise ProxyURLError(f"{url!r}: only absolute URLs (scheme://host/path) can be proxied")
 
@@ -166,10 +187,10 @@ def _fixed_prefix(pattern: str) -> str:
     return pattern[:cut]
 
 
-def _map_pattern(pattern: str, base: str, rules: list[tuple[str, str]]) -> str:
+def _map_pattern(pattern: str, base: str, rules: list[tuple[str, str]], absolute: bool) -> str:
     """Rewrite one ``::``-free spec, keeping its braces when the mapping allows it."""
     if "{" not in pattern and "\\" not in pattern:
-        return _map_prefix(pattern, base, rules)
+        return _map_prefix(pattern, base, rules, absolute)
     fixed = _fixed_prefix(pattern)
     # The fixed prefix decides the rule for every expansion only if no upstream base could
     # still match differently once the braces are filled in, and the prefix already shows
@@ -185,9 +206,13 @@ def _map_pattern(pattern: str, base: str, rules: list[tuple[str, str]]) -> str:
         if "/" not in fixed[len(rule[1]) + 1 :]:
             decided = False
     if decided and not ambiguous:
-        return _map_prefix(fixed, base, rules) + pattern[len(fixed) :]
+        if rule is None and not absolute:
+            raise _not_under(pattern, rules)
+        return _map_prefix(fixed, base, rules, absolute) + pattern[len(fixed) :]
     # Fall back to mapping every expansion (still one string, as a ``::`` list).
-    return "::".join(_map_prefix(u, base, rules) for u in braceexpand.braceexpand(pattern))
+    return "::".join(
+        _map_prefix(u, base, rules, absolute) for u in braceexpand.braceexpand(pattern)
+    )
 
 
 def proxied(
@@ -195,6 +220,7 @@ def proxied(
     proxy: str | None = None,
     *,
     upstream: str | Sequence[str] | None = None,
+    absolute: bool = False,
 ) -> str | list[str]:
     """Rewrite a URL, a list of URLs or a brace pattern to go through a shardcache proxy.
 
@@ -209,10 +235,13 @@ def proxied(
     - ``NAME=URL``: the proxy serves ``/NAME/<path>`` from ``URL/<path>``, so
       ``URL/<path>`` becomes ``<proxy>/NAME/<path>``.
 
-    The longest matching upstream wins. Any other absolute URL ``scheme://host/path``
-    becomes ``<proxy>/scheme://host/path``, the proxy's absolute-URL form, which it serves
-    only for hosts named with ``--allow-host``. ``s3://bucket/key`` follows the same rules
-    (an upstream may be ``s3://bucket``). Local paths cannot be proxied.
+    The longest matching upstream wins. A URL under none of them raises
+    :class:`ProxyURLError` naming the URL and the upstreams (a mistyped upstream would
+    otherwise surface later as a 403 from the proxy), unless ``absolute=True`` asks for the
+    proxy's absolute-URL form: ``scheme://host/path`` becomes ``<proxy>/scheme://host/path``,
+    which the proxy serves only for hosts named with ``--allow-host``. ``s3://bucket/key``
+    follows the same rules (an upstream may be ``s3://bucket``). Local paths cannot be
+    proxied.
 
     A string stays a string: ``::`` lists keep their parts, and a brace pattern keeps its
     braces when its fixed prefix decides the mapping (otherwise its expansions are listed
@@ -224,10 +253,10 @@ def proxied(
     base = _proxy_base(proxy)
     rules = _parse_upstreams(upstream)
     if isinstance(urls, str):
-        return "::".join(_map_pattern(part, base, rules) for part in urls.split("::"))
+        return "::".join(_map_pattern(part, base, rules, absolute) for part in urls.split("::"))
     result: list[str] = []
     for url in urls:
         if not isinstance(url, str):
             raise ProxyURLError(f"shard URLs must be strings, got {url!r}")
-        result.append("::".join(_map_pattern(p, base, rules) for p in url.split("::")))
+        result.append("::".join(_map_pattern(p, base, rules, absolute) for p in url.split("::")))
     return result

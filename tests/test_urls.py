@@ -101,25 +101,55 @@ def test_proxied_named_and_longest_match():
 
 def test_proxied_absolute_form():
     assert (
-        proxied("https://other.example/x/s-{0..3}.tar", P)
+        proxied("https://other.example/x/s-{0..3}.tar", P, absolute=True)
         == f"{P}/https://other.example/x/s-{{0..3}}.tar"
     )
-    assert proxied("s3://bucket/key.tar", P, upstream="https://h") == f"{P}/s3://bucket/key.tar"
+    got = proxied("s3://bucket/key.tar", P, upstream="https://h", absolute=True)
+    assert got == f"{P}/s3://bucket/key.tar"
     # a URL that only looks like it is under an upstream (no "/" after the base)
-    assert proxied("https://h.evil/x.tar", P, upstream="https://h") == f"{P}/https://h.evil/x.tar"
+    got = proxied("https://h.evil/x.tar", P, upstream="https://h", absolute=True)
+    assert got == f"{P}/https://h.evil/x.tar"
+    # URLs under an upstream still get its short path
+    assert proxied("https://h/x.tar", P, upstream="https://h", absolute=True) == f"{P}/x.tar"
+
+
+@pytest.mark.parametrize(
+    "url, named",
+    [
+        ("https://h.evil/x.tar", "'https://h.evil/x.tar'"),
+        # a typo in the host: the pattern is named as given
+        ("https://data.exmaple.com/d/s-{0..3}.tar", "'https://data.exmaple.com/d/s-{0..3}.tar'"),
+        ("s3://bucket/key.tar", "'s3://bucket/key.tar'"),
+        (["https://h/a.tar", "https://o/b.tar"], "'https://o/b.tar'"),
+        ("https://h/a.tar::https://o/b.tar", "'https://o/b.tar'"),
+    ],
+)
+def test_proxied_url_under_no_upstream_is_an_error_naming_url_and_upstreams(url, named):
+    with pytest.raises(ProxyURLError) as err:
+        proxied(url, P, upstream=["https://h", "ds=https://data.example.com/d"])
+    text = str(err.value)
+    assert text.startswith(named + " is under none of the upstreams")
+    assert "(https://h, ds=https://data.example.com/d)" in text
+    assert "absolute=True" in text and "--allow-host" in text
+
+
+def test_proxied_without_upstream_needs_the_absolute_form():
+    with pytest.raises(ProxyURLError, match="'https://o/x.tar': no upstream given.*absolute=True"):
+        proxied("https://o/x.tar", P)
+    assert proxied("https://o/x.tar", P, absolute=True) == f"{P}/https://o/x.tar"
 
 
 def test_proxied_lists_and_double_colon():
     urls = ["https://h/a.tar", "https://h/b-{0..1}.tar"]
     assert proxied(urls, P, upstream="https://h") == [f"{P}/a.tar", f"{P}/b-{{0..1}}.tar"]
-    assert proxied("https://h/a.tar::https://o/b.tar", P, upstream="https://h") == (
+    assert proxied("https://h/a.tar::https://o/b.tar", P, upstream="https://h", absolute=True) == (
         f"{P}/a.tar::{P}/https://o/b.tar"
     )
 
 
 def test_proxied_braces_in_the_prefix_fall_back_to_a_list():
     pattern = "https://{a,b}.example/s-{0..1}.tar"
-    got = proxied(pattern, P, upstream="https://a.example")
+    got = proxied(pattern, P, upstream="https://a.example", absolute=True)
     assert isinstance(got, str)
     assert expand_urls(got) == [
         f"{P}/s-0.tar",
@@ -213,17 +243,17 @@ def patterns(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(pattern=patterns(), ups=upstream_sets)
-def test_proxied_pattern_equals_proxying_each_url(pattern, ups):
+@given(pattern=patterns(), ups=upstream_sets, absolute=st.booleans())
+def test_proxied_pattern_equals_proxying_each_url(pattern, ups, absolute):
     each = []
     try:
         for url in expand_urls(pattern):
-            each.append(proxied(url, P, upstream=ups))
+            each.append(proxied(url, P, upstream=ups, absolute=absolute))
     except ProxyURLError:
         with pytest.raises(ProxyURLError):
-            proxied(pattern, P, upstream=ups)
+            proxied(pattern, P, upstream=ups, absolute=absolute)
         return
-    whole = proxied(pattern, P, upstream=ups)
+    whole = proxied(pattern, P, upstream=ups, absolute=absolute)
     assert expand_urls(whole) == each
     # and the proxy, reading those paths with the same flags, fetches the original URLs
     assert [reference_upstream(u, ups) for u in each] == expand_urls(pattern)
@@ -236,7 +266,7 @@ def test_proxied_keeps_braces_when_the_prefix_decides(pattern, ups):
     if "{" not in pattern or "/" not in fixed.split("://", 1)[-1]:
         return
     try:
-        got = proxied(pattern, P, upstream=ups)
+        got = proxied(pattern, P, upstream=ups, absolute=True)
     except ProxyURLError:
         return
     if "::" not in got:
