@@ -8,6 +8,7 @@ otherwise.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import random
 from collections.abc import Callable, Iterable, Iterator
@@ -18,13 +19,49 @@ from shardcache.workers import WorkerEnvironment, split_items
 
 if TYPE_CHECKING:  # pragma: no cover
     from dbcache import DBCache
+    from shardcache.plans import Plan
 
 __all__ = ["ShardDataset"]
+
+log = logging.getLogger(__name__)
 
 if importlib.util.find_spec("torch") is not None:
     from torch.utils.data import IterableDataset as _Base
 else:  # pragma: no cover - exercised in environments without torch
     _Base = object  # type: ignore[assignment,misc]
+
+
+def _plan_proxy(urls: list[str], plan: bool | None) -> str | None:
+    """Where to register read plans for ``urls``: the proxy of ``SHARDCACHE_PROXY`` when
+    every URL is on it; with ``plan=True`` otherwise the one http(s) host all URLs share."""
+    from urllib.parse import urlsplit
+
+    from shardcache.urls import PROXY_ENV, _proxy_base
+
+    if os.environ.get(PROXY_ENV):
+        try:
+            base: str | None = _proxy_base(None)
+        except ValueError:
+            if plan:
+                raise
+            base = None  # not a proxy address: the URLs cannot be on it
+        if base is not None and all(url.startswith(base + "/") for url in urls):
+            return base
+    if not plan:
+        return None
+    origins = set()
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            origins.add(None)
+        else:
+            origins.add(f"{parts.scheme}://{parts.netloc}")
+    if len(origins) != 1 or None in origins:
+        raise ValueError(
+            "ShardDataset(plan=True): the shard URLs must all be on one shardcache proxy "
+            f"(http(s)://host:port/...), or on the proxy named by {PROXY_ENV}"
+        )
+    return origins.pop()
 
 
 class ShardDataset(_Base):  # type: ignore[misc,valid-type]
@@ -38,6 +75,16 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
     ``cache_dir`` caches shards on local disk (:func:`~shardcache.cache_shards`, bounded
     by ``cache_size``). ``handler`` decides what a failing shard does (raise by default).
     Samples are not decoded.
+
+    Read plans: when the shards are read through a shardcache proxy, each iteration (in
+    each DataLoader worker) registers its exact shard order as a read plan
+    (:func:`shardcache.plan`), sends its id with every shard request, and deletes the plan
+    when the iteration ends or is abandoned. ``plan=None`` (the default) does so when
+    every URL is on the proxy named by ``SHARDCACHE_PROXY``, and logs a warning instead
+    of failing when the proxy refuses the plan; ``plan=True`` registers at that proxy, or
+    else at the host all URLs share, and raises if it cannot; ``plan=False`` never does.
+    Plans are named ``"<plan_name or pid>/worker-<k>"`` (``"/node-<r>"`` added on several
+    nodes); ``plan_lookahead`` overrides the proxy's ``--plan-lookahead``.
     """
 
     def __init__(
@@ -55,6 +102,9 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
         select_files: Callable[[str], bool] | None = None,
         rename_files: Callable[[str], str] | None = None,
         verbose: bool = False,
+        plan: bool | None = None,
+        plan_name: str | None = None,
+        plan_lookahead: int | str | None = None,
     ) -> None:
         super().__init__()
         from shardcache.urls import expand_urls
@@ -74,6 +124,12 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
         self.select_files = select_files
         self.rename_files = rename_files
         self.verbose = verbose
+        self.plan_name = plan_name
+        self.plan_lookahead = plan_lookahead
+        self.plan_required = plan is True
+        # decided once, here: DataLoader workers get a copy of this object
+        self.plan_proxy: str | None = None if plan is False else _plan_proxy(self.urls, plan)
+        self._pid = os.getpid()
 
     def __repr__(self) -> str:
         return (
@@ -98,15 +154,27 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
         return urls
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        env = self.env or WorkerEnvironment.detect()
+        urls = self.shard_urls(env)
+        plan = self._register_plan(urls, env)
+        try:
+            yield from self._samples(urls, plan.headers if plan is not None else None)
+        finally:
+            if plan is not None:
+                plan.close()
+
+    def _samples(self, urls: list[str], headers: dict[str, str] | None) -> Iterator[dict]:
         from shardcache.cachestream import cache_shards
         from shardcache.tariterators import group_by_keys, tar_file_expander
 
+        gopen_kw: dict[str, Any] = {"headers": headers} if headers else {}
         shards = cache_shards(
-            [{"url": url} for url in self.shard_urls()],
+            [{"url": url} for url in urls],
             cache_dir=self.cache_dir,
             cache_size=self.cache_size,
             verbose=self.verbose,
             handler=self.handler,
+            **gopen_kw,
         )
         files = tar_file_expander(
             shards,
@@ -115,6 +183,26 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
             rename_files=self.rename_files,
         )
         return group_by_keys(files, handler=self.handler)
+
+    def plan_label(self, env: WorkerEnvironment) -> str:
+        """The name of the read plan of worker ``env``."""
+        label = self.plan_name or str(self._pid)
+        if env.world_size > 1:
+            label += f"/node-{env.rank}"
+        return f"{label}/worker-{env.worker}"
+
+    def _register_plan(self, urls: list[str], env: WorkerEnvironment) -> Plan | None:
+        if self.plan_proxy is None or not urls:
+            return None
+        from shardcache.plans import Plan, PlanError
+
+        try:
+            return Plan(urls, self.plan_proxy, self.plan_label(env), self.plan_lookahead)
+        except PlanError as exc:
+            if self.plan_required:
+                raise
+            log.warning("reading without a read plan: %s", exc)
+            return None
 
     def dbcache(self, fname: str | os.PathLike, size: int, **kw: Any) -> DBCache:
         """Keep the first ``size`` samples in the SQLite file ``fname`` (a fixed validation
