@@ -22,6 +22,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "shardcache.cli.demo",  # demo
     "dbcache.cli",  # dbcache build|info|export
     "shardcache.cli.prefetch",  # prefetch
+    "shardcache.cli.plan",  # plan
     "shardcache.cli.stats",  # stats, ls
 )
 
