@@ -1,0 +1,644 @@
+"""The client side of read plans: shardcache.plan()/Plan, ShardDataset's per-worker plans
+and ``shardcache plan``.
+
+Unit tests run against a small real HTTP server on 127.0.0.1 that speaks the proxy's
+``/-/plans`` API and serves shards; the end-to-end tests at the bottom run against the
+real proxy subprocess."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import logging
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import shardcache
+from shardcache.cli import main as cli_main
+from shardcache.cli.plan import is_done, plan_rows, status_line
+from shardcache.dataset import ShardDataset
+from shardcache.plans import PlanError, delete_plan, get_plan, list_plans
+from shardcache.workers import WorkerEnvironment
+
+ROOT = Path(__file__).resolve().parent.parent
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def tar_bytes(shard: int, n: int) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for i in range(n):
+            data = b"shard %d sample %d" % (shard, i)
+            info = tarfile.TarInfo(f"s{shard:03d}/k{i:04d}.txt")
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+class StubProxy:
+    """The proxy's ``/-/plans`` API and shard GETs, recording every request.
+
+    ``refuse = (status, body)`` answers every POST with that error. A plan's
+    ``position`` advances by ``advance`` on each status GET, so watchers see progress.
+    """
+
+    def __init__(self, files: dict[str, bytes] | None = None) -> None:
+        self.files = dict(files or {})
+        self.requests: list[dict[str, Any]] = []
+        self.plans: dict[str, dict[str, Any]] = {}
+        self.refuse: tuple[int, bytes] | None = None
+        self.advance = 0
+        self.lock = threading.Lock()
+        self._n = 0
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _answer(self, status: int, body: Any, ctype: str = "application/json") -> None:
+                raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def _record(self) -> dict[str, Any]:
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                req = {
+                    "method": self.command,
+                    "path": self.path,
+                    "headers": dict(self.headers.items()),
+                    "body": json.loads(raw) if raw else None,
+                }
+                with stub.lock:
+                    stub.requests.append(req)
+                return req
+
+            def do_POST(self) -> None:  # noqa: N802
+                req = self._record()
+                if self.path != "/-/plans":
+                    return self._answer(404, b"no route\n", "text/plain")
+                if stub.refuse is not None:
+                    return self._answer(stub.refuse[0], stub.refuse[1], "text/plain")
+                body = req["body"]
+                with stub.lock:
+                    stub._n += 1
+                    pid = f"p-{stub._n:08x}"
+                    stub.plans[pid] = {
+                        "id": pid,
+                        "name": body.get("name"),
+                        "urls": body["urls"],
+                        "shards": len(body["urls"]),
+                        "position": 0,
+                        "done": False,
+                    }
+                self._answer(
+                    201,
+                    {
+                        "id": pid,
+                        "name": body.get("name"),
+                        "shards": len(body["urls"]),
+                        "lookahead": {"shards": 8},
+                    },
+                )
+
+            def do_GET(self) -> None:  # noqa: N802
+                req = self._record()
+                if self.path == "/-/plans":
+                    return self._answer(200, {"plans": [stub.public(p) for p in stub.plans]})
+                if self.path.startswith("/-/plans/"):
+                    pid = self.path.rsplit("/", 1)[1]
+                    with stub.lock:
+                        plan = stub.plans.get(pid)
+                        if plan is not None:
+                            plan["position"] = min(plan["position"] + stub.advance, plan["shards"])
+                            plan["done"] = plan["position"] == plan["shards"]
+                    if plan is None:
+                        return self._answer(404, f"no plan {pid}\n".encode(), "text/plain")
+                    return self._answer(200, stub.public(pid))
+                data = stub.files.get(self.path.lstrip("/"))
+                if data is None:
+                    return self._answer(404, b"not found\n", "text/plain")
+                req["plan"] = self.headers.get("X-Shardcache-Plan")
+                self._answer(200, data, "application/x-tar")
+
+            def do_DELETE(self) -> None:  # noqa: N802
+                self._record()
+                pid = self.path.rsplit("/", 1)[1]
+                with stub.lock:
+                    found = stub.plans.pop(pid, None)
+                if found is None:
+                    return self._answer(404, f"no plan {pid}\n".encode(), "text/plain")
+                self._answer(200, {"removed": True})
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+
+    def public(self, pid: str) -> dict[str, Any]:
+        p = self.plans[pid]
+        return {
+            "id": pid,
+            "name": p["name"],
+            "shards": p["shards"],
+            "position": p["position"],
+            "ready_ahead_shards": 2,
+            "ready_ahead_bytes": 3 << 20,
+            "downloading": 1,
+            "wait_seconds": 0.25,
+            "idle_seconds": 1.0,
+            "done": p["done"],
+        }
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def of(self, method: str, prefix: str = "/") -> list[dict[str, Any]]:
+        with self.lock:
+            return [
+                r for r in self.requests if r["method"] == method and r["path"].startswith(prefix)
+            ]
+
+    def start(self) -> StubProxy:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stub():
+    files = {f"data/train-{s:03d}.tar": tar_bytes(s, 3 + s) for s in range(8)}
+    s = StubProxy(files).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.delenv("SHARDCACHE_PROXY", raising=False)
+    monkeypatch.delenv("SHARDCACHE_ADMIN_TOKEN", raising=False)
+
+
+# -- shardcache.plan() --------------------------------------------------------------------
+
+
+def test_plan_posts_the_urls_name_and_lookahead(stub):
+    urls = [f"/data/train-{i:03d}.tar" for i in (3, 1, 2, 1)]
+    p = shardcache.plan(urls, proxy=stub.url, name="job-a/worker-0", lookahead=4)
+    assert isinstance(p, shardcache.Plan)
+    (post,) = stub.of("POST")
+    assert post["path"] == "/-/plans"
+    assert post["body"] == {"urls": urls, "name": "job-a/worker-0", "lookahead": 4}
+    assert post["headers"]["Content-Type"] == "application/json"
+    assert "Authorization" not in post["headers"]
+    assert p.id.startswith("p-") and p.shards == 4 and p.urls == urls
+    assert p.name == "job-a/worker-0" and p.lookahead == {"shards": 8}
+    assert p.headers == {"X-Shardcache-Plan": p.id}
+    assert p.id in repr(p)
+
+
+def test_plan_expands_a_brace_pattern_and_omits_defaults(stub):
+    with shardcache.plan(stub.url + "/data/train-{000..002}.tar::/x/y.tar", stub.url) as p:
+        assert p.shards == 4
+    (post,) = stub.of("POST")
+    assert post["body"] == {
+        "urls": [stub.url + f"/data/train-{i:03d}.tar" for i in range(3)] + ["/x/y.tar"]
+    }
+
+
+@pytest.mark.parametrize("given, sent", [(4, 4), ("4", 4), ("2GiB", "2GiB"), (" 500M ", "500M")])
+def test_plan_lookahead_is_a_count_or_a_size(stub, given, sent):
+    shardcache.plan(["/a.tar"], stub.url, lookahead=given).close()
+    assert stub.of("POST")[0]["body"]["lookahead"] == sent
+
+
+@pytest.mark.parametrize(
+    "bad, exc", [(0, ValueError), (True, TypeError), ("", ValueError), (1.5, TypeError)]
+)
+def test_plan_refuses_a_bad_lookahead_before_asking(stub, bad, exc):
+    with pytest.raises(exc, match="lookahead"):
+        shardcache.plan(["/a.tar"], stub.url, lookahead=bad)
+    assert stub.requests == []
+
+
+def test_plan_refuses_no_shards_and_overlong_names(stub):
+    with pytest.raises(ValueError, match="no shards"):
+        shardcache.plan([], stub.url)
+    with pytest.raises(ValueError, match="200"):
+        shardcache.plan(["/a.tar"], stub.url, name="x" * 201)
+    assert stub.requests == []
+
+
+def test_bearer_token_from_the_environment(stub, monkeypatch):
+    monkeypatch.setenv("SHARDCACHE_ADMIN_TOKEN", "s3cret")
+    p = shardcache.plan(["/a.tar"], stub.url)
+    p.status()
+    p.close()
+    for method in ("POST", "GET", "DELETE"):
+        (req,) = stub.of(method, "/-/plans")
+        assert req["headers"]["Authorization"] == "Bearer s3cret", method
+
+
+def test_proxy_from_shardcache_proxy(stub, monkeypatch):
+    monkeypatch.setenv("SHARDCACHE_PROXY", f"127.0.0.1:{stub.port}")  # host:port is http
+    with shardcache.plan(["/a.tar"]) as p:
+        assert p.proxy == stub.url
+    assert len(stub.of("POST")) == 1 and len(stub.of("DELETE")) == 1
+
+
+def test_no_proxy_known_says_how_to_give_one():
+    with pytest.raises(ValueError, match=r"proxy=.*SHARDCACHE_PROXY"):
+        shardcache.plan(["/a.tar"])
+
+
+@pytest.mark.parametrize(
+    "status, body, text",
+    [
+        (
+            400,
+            b"too many plans (--max-plans 64): DELETE old ones\n",
+            "too many plans (--max-plans 64): DELETE old ones",
+        ),
+        (413, b"plan of 9 shards exceeds --max-plan-shards 8\n", "--max-plan-shards 8"),
+        (400, b'{"error": "no urls or pattern"}', "no urls or pattern"),
+        (403, b"mutating admin routes are disabled: set --admin-token\nmore\n", "--admin-token"),
+    ],
+)
+def test_proxy_errors_raise_with_the_proxys_text(stub, status, body, text):
+    stub.refuse = (status, body)
+    with pytest.raises(PlanError) as info:
+        shardcache.plan(["/a.tar"], stub.url)
+    assert info.value.status == status
+    assert text in str(info.value) and f"HTTP {status}" in str(info.value)
+    assert "more" not in str(info.value)  # one line
+    assert isinstance(info.value, shardcache.ShardcacheError)
+
+
+def test_unreachable_proxy_raises_plan_error():
+    with pytest.raises(PlanError, match="cannot reach the proxy") as info:
+        shardcache.plan(["/a.tar"], "http://127.0.0.1:1")
+    assert info.value.status is None
+
+
+def test_plan_error_pickles():
+    import pickle
+
+    exc = pickle.loads(pickle.dumps(PlanError("http://x/-/plans", "HTTP 400: bad", 400)))
+    assert exc.status == 400 and str(exc) == "http://x/-/plans: HTTP 400: bad"
+
+
+def test_status_and_module_helpers(stub):
+    p = shardcache.plan(["/a.tar", "/b.tar"], stub.url, name="n")
+    assert p.status()["position"] == 0
+    assert get_plan(p.id, stub.url)["id"] == p.id
+    assert [x["id"] for x in list_plans(stub.url)] == [p.id]
+    delete_plan(p.id, stub.url)
+    with pytest.raises(PlanError) as info:
+        p.status()
+    assert info.value.status == 404
+    with pytest.raises(PlanError):
+        delete_plan(p.id, stub.url)
+
+
+def test_close_is_idempotent_and_the_context_manager_closes(stub):
+    with shardcache.plan(["/a.tar"], stub.url) as p:
+        assert not p.closed
+    assert p.closed
+    p.close()
+    p.close()
+    assert len(stub.of("DELETE")) == 1
+    assert stub.of("DELETE")[0]["path"] == f"/-/plans/{p.id}"
+
+
+def test_close_of_a_plan_already_gone_is_quiet(stub, caplog):
+    p = shardcache.plan(["/a.tar"], stub.url)
+    delete_plan(p.id, stub.url)
+    with caplog.at_level(logging.WARNING, "shardcache.plans"):
+        p.close()
+    assert not caplog.records
+
+
+def test_close_on_a_vanished_proxy_is_logged_not_raised(caplog):
+    stub = StubProxy().start()
+    p = shardcache.plan(["/a.tar"], stub.url)
+    stub.stop()
+    with caplog.at_level(logging.WARNING, "shardcache.plans"):
+        p.close()
+        p.close()
+    assert p.closed
+    (record,) = caplog.records
+    assert p.id in record.getMessage() and "cannot reach" in record.getMessage()
+
+
+def test_exception_inside_with_still_closes(stub):
+    with pytest.raises(RuntimeError), shardcache.plan(["/a.tar"], stub.url):
+        raise RuntimeError("reader failed")
+    assert len(stub.of("DELETE")) == 1
+
+
+# -- ShardDataset ---------------------------------------------------------------------------
+
+
+def shard_gets(stub: StubProxy) -> list[tuple[str, str | None]]:
+    return [(r["path"], r.get("plan")) for r in stub.of("GET", "/data/")]
+
+
+def test_dataset_registers_its_exact_order_and_sends_the_plan_header(stub):
+    urls = [f"{stub.url}/data/train-{i:03d}.tar" for i in range(8)]
+    env = WorkerEnvironment(rank=1, world_size=2, worker=1, num_workers=2)
+    ds = ShardDataset(urls, shuffle=True, seed=7, env=env, plan=True, plan_name="job")
+    expected = ds.shard_urls(env)
+    assert expected != [urls[i] for i in (3, 7)]  # shuffled before splitting
+    samples = list(ds)
+    assert len(samples) == sum(3 + int(u[-7:-4]) for u in expected)
+    (post,) = stub.of("POST")
+    assert post["body"]["urls"] == expected
+    assert post["body"]["name"] == "job/node-1/worker-1"
+    assert stub.requests[0]["method"] == "POST"  # before any shard request
+    (delete,) = stub.of("DELETE")
+    plan_id = delete["path"].rsplit("/", 1)[1]
+    assert shard_gets(stub) == [(u[len(stub.url) :], plan_id) for u in expected]
+    # the DELETE comes after the last shard request
+    assert stub.requests[-1]["method"] == "DELETE"
+
+
+def test_dataset_plan_name_defaults_to_the_pid(stub):
+    ds = ShardDataset(f"{stub.url}/data/train-{{000..001}}.tar", plan=True)
+    list(ds)
+    import os
+
+    assert stub.of("POST")[0]["body"]["name"] == f"{os.getpid()}/worker-0"
+
+
+def test_dataset_plan_lookahead_is_passed_on(stub):
+    list(ShardDataset(f"{stub.url}/data/train-000.tar", plan=True, plan_lookahead="1GiB"))
+    assert stub.of("POST")[0]["body"]["lookahead"] == "1GiB"
+
+
+def test_dataset_closes_its_plan_when_abandoned_early(stub):
+    ds = ShardDataset(f"{stub.url}/data/train-{{000..007}}.tar", plan=True)
+    it = iter(ds)
+    next(it)
+    assert len(stub.of("POST")) == 1 and not stub.of("DELETE")
+    it.close()
+    assert len(stub.of("DELETE")) == 1
+    assert len(shard_gets(stub)) == 1
+
+
+def test_dataset_closes_its_plan_when_a_shard_fails(stub):
+    ds = ShardDataset(f"{stub.url}/data/train-{{000..009}}.tar", plan=True)
+    with pytest.raises(shardcache.HTTPStatusError):
+        list(ds)
+    assert len(stub.of("DELETE")) == 1
+
+
+def test_dataset_each_iteration_registers_a_new_plan(stub):
+    ds = ShardDataset(f"{stub.url}/data/train-{{000..003}}.tar", shuffle=True, plan=True)
+    orders = []
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        list(ds)
+        orders.append(ds.shard_urls())
+    posts = stub.of("POST")
+    assert [p["body"]["urls"] for p in posts] == orders
+    assert len(stub.of("DELETE")) == 2 and not stub.plans
+
+
+def test_dataset_plans_by_default_when_urls_are_on_shardcache_proxy(stub, monkeypatch):
+    monkeypatch.setenv("SHARDCACHE_PROXY", stub.url)
+    list(ShardDataset(f"{stub.url}/data/train-{{000..001}}.tar"))
+    assert len(stub.of("POST")) == 1 and len(stub.of("DELETE")) == 1
+    assert all(plan for _, plan in shard_gets(stub))
+
+
+def test_dataset_does_not_plan_by_default_elsewhere(stub, monkeypatch):
+    list(ShardDataset(f"{stub.url}/data/train-{{000..001}}.tar"))  # no SHARDCACHE_PROXY
+    monkeypatch.setenv("SHARDCACHE_PROXY", "http://127.0.0.1:1")  # another proxy
+    list(ShardDataset(f"{stub.url}/data/train-{{000..001}}.tar"))
+    assert not stub.of("POST")
+    assert all(plan is None for _, plan in shard_gets(stub))
+    assert all("X-Shardcache-Plan" not in r["headers"] for r in stub.of("GET", "/data/"))
+
+
+def test_dataset_plan_false_opts_out(stub, monkeypatch):
+    monkeypatch.setenv("SHARDCACHE_PROXY", stub.url)
+    ds = ShardDataset(f"{stub.url}/data/train-{{000..001}}.tar", plan=False)
+    assert len(list(ds)) == 3 + 4
+    assert not stub.of("POST")
+
+
+def test_dataset_reads_on_when_the_proxy_refuses_a_default_plan(stub, monkeypatch, caplog):
+    monkeypatch.setenv("SHARDCACHE_PROXY", stub.url)
+    stub.refuse = (400, b"too many plans (--max-plans 1)\n")
+    with caplog.at_level(logging.WARNING, "shardcache.dataset"):
+        samples = list(ShardDataset(f"{stub.url}/data/train-{{000..001}}.tar"))
+    assert len(samples) == 7
+    assert "--max-plans 1" in caplog.text
+    assert not stub.of("DELETE")
+
+
+def test_dataset_plan_true_raises_when_refused(stub):
+    stub.refuse = (400, b"too many plans (--max-plans 1)\n")
+    with pytest.raises(PlanError, match="--max-plans 1"):
+        list(ShardDataset(f"{stub.url}/data/train-{{000..001}}.tar", plan=True))
+    assert not shard_gets(stub)
+
+
+def test_dataset_plan_true_needs_urls_on_one_proxy(tmp_path):
+    with pytest.raises(ValueError, match="one shardcache proxy"):
+        ShardDataset([str(tmp_path / "a.tar")], plan=True)
+    with pytest.raises(ValueError, match="one shardcache proxy"):
+        ShardDataset(["http://a:1/x.tar", "http://b:1/y.tar"], plan=True)
+
+
+def test_dataset_with_a_bad_shardcache_proxy_does_not_plan(stub, monkeypatch):
+    monkeypatch.setenv("SHARDCACHE_PROXY", "ftp://nowhere")
+    assert len(list(ShardDataset(f"{stub.url}/data/train-000.tar"))) == 3
+    assert not stub.of("POST")
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed: no DataLoader workers")
+def test_dataloader_workers_register_their_own_plans(stub):
+    from torch.utils.data import DataLoader
+
+    urls = [f"{stub.url}/data/train-{i:03d}.tar" for i in range(8)]
+    ds = ShardDataset(urls, shuffle=True, seed=3, plan=True, plan_name="job-b")
+    keys = [s["__key__"] for s in DataLoader(ds, batch_size=None, num_workers=2)]
+    assert len(keys) == sum(3 + s for s in range(8)) == len(set(keys))
+    posts = {p["body"]["name"]: p["body"]["urls"] for p in stub.of("POST")}
+    order = list(urls)
+    import random
+
+    random.Random(3).shuffle(order)
+    assert posts == {"job-b/worker-0": order[0::2], "job-b/worker-1": order[1::2]}
+    # each worker read exactly its plan's order, carrying its plan's id
+    deadline = time.monotonic() + 10
+    while len(stub.of("DELETE")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ids = [d["path"].rsplit("/", 1)[1] for d in stub.of("DELETE")]
+    assert len(ids) == 2 and not stub.plans
+    by_plan: dict[str, list[str]] = {}
+    for path, pid in shard_gets(stub):
+        by_plan.setdefault(pid, []).append(stub.url + path)
+    assert sorted(by_plan) == sorted(ids)
+    assert sorted(by_plan.values()) == sorted(posts.values())
+
+
+# -- the command line ----------------------------------------------------------------------
+
+
+def test_status_line_and_rows():
+    st = {
+        "id": "p-1",
+        "name": "j",
+        "shards": 10,
+        "position": 4,
+        "ready_ahead_shards": 3,
+        "ready_ahead_bytes": 3 << 20,
+        "downloading": 2,
+        "wait_seconds": 1.25,
+        "idle_seconds": 2,
+        "done": False,
+    }
+    assert status_line(st) == (
+        "4/10 shards read, 3 ready ahead (3.0 MiB), 2 downloading, stalled 1.2 s"
+    )
+    assert plan_rows([st]) == [("p-1", "j", "4/10", "3 (3.0 MiB)", 2, "1.2", "2", "no")]
+    assert not is_done(st) and is_done(dict(st, position=10)) and is_done(dict(st, done=True))
+    assert status_line({}) == "0/0 shards read, 0 ready ahead (0 B), 0 downloading, stalled 0.0 s"
+
+
+def test_cli_registers_and_prints_the_id(stub, capsys):
+    rc = cli_main(
+        [
+            "plan",
+            "/data/train-{000..003}.tar",
+            "--proxy",
+            stub.url,
+            "--name",
+            "n",
+            "--lookahead",
+            "3",
+        ]
+    )
+    out = capsys.readouterr().out.strip()
+    assert rc == 0 and out in stub.plans  # not a terminal: no watching, the plan stays
+    assert stub.of("POST")[0]["body"] == {
+        "urls": [f"/data/train-{i:03d}.tar" for i in range(4)],
+        "name": "n",
+        "lookahead": 3,
+    }
+
+
+def test_cli_watch_follows_until_done_then_deletes(stub, capsys):
+    stub.advance = 2
+    rc = cli_main(
+        ["plan", "/data/train-{000..003}.tar", "--proxy", stub.url, "--watch", "--interval", "0.01"]
+    )
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    assert out[0].startswith("p-")
+    assert out[1:] == [
+        "2/4 shards read, 2 ready ahead (3.0 MiB), 1 downloading, stalled 0.2 s",
+        "4/4 shards read, 2 ready ahead (3.0 MiB), 1 downloading, stalled 0.2 s, done",
+    ]
+    assert not stub.plans and len(stub.of("DELETE")) == 1
+
+
+def test_cli_watch_keep_leaves_the_plan(stub, capsys):
+    stub.advance = 4
+    rc = cli_main(["plan", "/data/train-{000..003}.tar", "--proxy", stub.url, "--watch", "--keep"])
+    assert rc == 0 and len(stub.plans) == 1 and not stub.of("DELETE")
+
+
+def test_cli_watch_reports_a_plan_gone(stub, capsys):
+    stub.refuse = None
+    # a plan deleted behind the watcher's back
+    threading.Timer(0.2, lambda: stub.plans.clear()).start()
+    rc = cli_main(["plan", "/a.tar", "--proxy", stub.url, "--watch", "--interval", "0.05"])
+    assert rc == 1
+    assert "is gone" in capsys.readouterr().err
+
+
+def test_cli_list_and_delete(stub, capsys):
+    p = shardcache.plan(["/a.tar", "/b.tar"], stub.url, name="job-c")
+    assert cli_main(["plan", "--list", "--proxy", stub.url]) == 0
+    out = capsys.readouterr().out
+    assert p.id in out and "job-c" in out and "0/2" in out
+    assert cli_main(["plan", "--list", "--json", "--proxy", stub.url]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["id"] == p.id
+    assert cli_main(["plan", "--delete", p.id, "--proxy", stub.url]) == 0
+    assert not stub.plans
+    assert cli_main(["plan", "--delete", p.id, "--proxy", stub.url]) == 1
+    assert f"no plan {p.id}" in capsys.readouterr().err
+
+
+def test_cli_proxy_refusing_shows_its_text(stub, capsys):
+    stub.refuse = (400, b"too many plans (--max-plans 64): DELETE old ones\n")
+    assert cli_main(["plan", "/a.tar", "--proxy", stub.url]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shardcache plan: error:") and "--max-plans 64" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_cli_needs_a_pattern(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli_main(["plan"])
+    assert info.value.code == 2 and "PATTERN" in capsys.readouterr().err
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith("SHARDCACHE_")}
+    full.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "shardcache", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=full,
+    )
+
+
+@pytest.mark.parametrize("args", [["/a.tar"], ["--list"], ["--delete", "p-1"]])
+def test_cli_without_a_running_proxy_says_so_in_one_line(args):
+    from proxy_helpers import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    res = cli("plan", *args, "--proxy", url)
+    assert res.returncode == 1
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert f"no proxy answering at {url}" in lines[0] and "shardcache serve" in lines[0]
+    assert res.stdout == ""
+
+
+# -- end to end, against the real proxy -------------------------------------------------------
+
+SERVER_HAS_PLANS = '"/-/plans"' in (ROOT / "proxy" / "app.py").read_text()
+e2e = pytest.mark.skipif(not SERVER_HAS_PLANS, reason="the proxy has no /-/plans routes yet")
