@@ -240,6 +240,8 @@ class DBCache:
             db[SAMPLES].create_index(
                 ["url", "key"], index_name="samples_ident", unique=True, if_not_exists=True
             )
+            # key_exists(key) looks samples up by key alone (files without it scan)
+            db[SAMPLES].create_index(["key"], index_name="samples_key", if_not_exists=True)
             db[META].create({"key": str, "value": str}, pk="key", if_not_exists=True)
             conn.executemany(
                 f"INSERT OR IGNORE INTO {META} (key, value) VALUES (?, ?)",
@@ -340,15 +342,24 @@ class DBCache:
         """Whether the file holds ``size`` samples."""
         return self.count() >= (self.size or 0)
 
-    def key_exists(self, key: str | Mapping[str, Any], url: str = "") -> bool:
-        """Whether a sample is stored: give a sample dict, or its ``__key__`` (and ``__url__``)."""
+    def key_exists(self, key: str | Mapping[str, Any], url: str | None = None) -> bool:
+        """Whether a sample is stored.
+
+        ``key_exists("k")``: any stored sample has ``__key__`` ``"k"`` (from any shard);
+        ``key_exists("k", url)``: the sample ``"k"`` of the shard ``url`` is stored (``""``
+        for samples without ``__url__``); ``key_exists(sample)``: that sample (its
+        ``__key__`` and ``__url__``) is stored.
+        """
         self._need_db()
         if isinstance(key, Mapping):
             url, key = sample_ident(key)
-        row = self.conn.execute(
-            f"SELECT 1 FROM {SAMPLES} WHERE url = ? AND key = ?", (url, key)
-        ).fetchone()
-        return row is not None
+        if url is None:
+            row = self.conn.execute(f"SELECT 1 FROM {SAMPLES} WHERE key = ? LIMIT 1", (key,))
+        else:
+            row = self.conn.execute(
+                f"SELECT 1 FROM {SAMPLES} WHERE url = ? AND key = ?", (url, key)
+            )
+        return row.fetchone() is not None
 
     def nbytes(self) -> int:
         """Total bytes of the stored records."""
@@ -523,12 +534,21 @@ class DBCache:
         if self.verbose:
             log.info("%s: filling from the source, %d of %d samples held", name, held, size)
 
+        # A batch is flushed early once it could fill the file, so that no shard is read
+        # past the one that fills it; when a flush adds nothing (samples stored by an
+        # earlier pass, or by another process) the early size doubles, so a resumed fill
+        # does not commit one sample at a time.
+        early = 1
+
         def flush() -> Iterator[Any]:
-            nonlocal held, stored_here, rows, samples, pending
+            nonlocal held, stored_here, rows, samples, pending, early
+            before = held
             try:
                 present, held = self._store(rows)
             except sqlite3.Error as exc:
                 raise self._translate(exc) from exc
+            if held == before:
+                early = min(early * 2, self.batch_size)
             batch_samples = samples
             rows, samples, pending = [], [], 0
             for sample, ok in zip(batch_samples, present, strict=True):
@@ -548,7 +568,11 @@ class DBCache:
             rows.append((ident[0], ident[1], fields, data, payload))
             samples.append(sample)
             pending += len(data) + (0 if payload is None else len(payload))
-            if len(rows) >= self.batch_size or pending >= 64 << 20:
+            if (
+                len(rows) >= self.batch_size
+                or pending >= 64 << 20
+                or (held + len(rows) >= size and len(rows) >= early)
+            ):
                 yield from flush()
                 if self.verbose and time.monotonic() - last_log >= 5.0:
                     last_log = time.monotonic()

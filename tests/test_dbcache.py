@@ -97,6 +97,34 @@ def test_duplicates_are_stored_once(tmp_path):
     assert data[3] in stored  # the first one seen wins
 
 
+def test_key_exists_by_key_alone_whatever_the_url(tmp_path):
+    """The seed API: key_exists(key) is true for any stored sample with that __key__."""
+    cache = DBCache(tmp_path / "v.db", 10, make_samples(3, url="http://h/a.tar"))
+    list(cache)
+    assert cache.key_exists("s00001")  # no url given: the key alone decides
+    assert not cache.key_exists("s00009")
+    # the optional url still narrows it to one shard's sample
+    assert cache.key_exists("s00001", "http://h/a.tar")
+    assert not cache.key_exists("s00001", "http://h/b.tar")
+    assert not cache.key_exists("s00001", "")
+    # samples without __url__ are stored under url ""
+    bare = DBCache(tmp_path / "bare.db", 1, [{"__key__": "k", "x": b"1"}])
+    list(bare)
+    assert bare.key_exists("k") and bare.key_exists("k", "")
+
+
+def test_a_fill_reads_no_further_than_the_sample_that_fills_the_file(tmp_path):
+    source = Counting(make_samples(1000))
+    assert len(list(DBCache(tmp_path / "v.db", 30, source))) == 30
+    assert source.taken == 30  # not a whole 256-sample batch
+    # resuming past samples already held: the fill still completes, one flush or a few
+    source = Counting(make_samples(1000))
+    path = tmp_path / "w.db"
+    list(DBCache(path, 50, make_samples(49)))
+    assert len(list(DBCache(path, 50, source))) == 50  # the 49 held, then one more
+    assert source.taken <= 64 and len(DBCache(path, 50)) == 50
+
+
 def test_interrupted_fill_resumes_without_duplicates(tmp_path):
     path = tmp_path / "v.db"
     data = make_samples(100)
