@@ -150,7 +150,7 @@ def _check_lookahead(lookahead: int | str | None) -> int | str | None:
         text = lookahead.strip()
         if not text:
             raise ValueError("lookahead: empty size")
-        return int(text) if text.isdigit() else text
+        return text
     return lookahead
 
 

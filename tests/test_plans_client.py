@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from proxy_helpers import Origin, ProxyProcess, make_shard
 
 import shardcache
 from shardcache.cli import main as cli_main
@@ -229,7 +230,9 @@ def test_plan_expands_a_brace_pattern_and_omits_defaults(stub):
     }
 
 
-@pytest.mark.parametrize("given, sent", [(4, 4), ("4", 4), ("2GiB", "2GiB"), (" 500M ", "500M")])
+@pytest.mark.parametrize(
+    "given, sent", [(4, 4), ("4096", "4096"), ("2GiB", "2GiB"), (" 500M ", "500M")]
+)
 def test_plan_lookahead_is_a_count_or_a_size(stub, given, sent):
     shardcache.plan(["/a.tar"], stub.url, lookahead=given).close()
     assert stub.of("POST")[0]["body"]["lookahead"] == sent
@@ -642,3 +645,215 @@ def test_cli_without_a_running_proxy_says_so_in_one_line(args):
 
 SERVER_HAS_PLANS = '"/-/plans"' in (ROOT / "proxy" / "app.py").read_text()
 e2e = pytest.mark.skipif(not SERVER_HAS_PLANS, reason="the proxy has no /-/plans routes yet")
+
+
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[bytes, str]:
+    import urllib.request
+
+    req = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return resp.read(), resp.headers.get("X-Cache", "")
+
+
+def _wait_for(check, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+E2E_SHARDS = {f"data/train-{i:03d}.tar": make_shard(4, seed=i) for i in range(6)}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """An origin with E2E_SHARDS and one proxy in front of it (also a bucket ``data``)."""
+    tmp = tmp_path_factory.mktemp("plans")
+    origin = Origin(files=dict(E2E_SHARDS)).start()
+    proxy = ProxyProcess(
+        tmp / "cache",
+        "--upstream",
+        origin.url,
+        "--upstream",
+        f"bucket={origin.url}/data",
+        "--max-plan-shards",
+        "50",
+    ).start()
+    yield origin, proxy
+    proxy.stop()
+    origin.stop()
+
+
+@pytest.fixture
+def fresh(served):
+    """The served pair with an empty cache, no plans and a clean origin count."""
+    origin, proxy = served
+    for p in list_plans(proxy.url):
+        delete_plan(p["id"], proxy.url)
+    import urllib.request
+
+    req = urllib.request.Request(f"{proxy.url}/-/cache", method="DELETE")
+    urllib.request.urlopen(req, timeout=10).close()
+    origin.gets.clear()
+    return origin, proxy
+
+
+def _metric(proxy_url: str, name: str) -> float:
+    text, _ = _get(f"{proxy_url}/metrics")
+    total = 0.0
+    for line in text.decode().splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@e2e
+def test_e2e_plan_downloads_ahead_and_follows_the_reader(fresh):
+    origin, proxy = fresh
+    urls = [f"{proxy.url}/data/train-{i:03d}.tar" for i in (2, 0, 1, 3)]
+    with shardcache.plan(urls, proxy.url, name="e2e/worker-0", lookahead=2) as p:
+        assert p.shards == 4
+        first = p.status()
+        assert first["name"] == "e2e/worker-0" and first["shards"] == 4
+        assert first["position"] == 0 and not first["done"]
+        # the proxy fetches the first shards of the plan before anyone asks
+        assert _wait_for(lambda: p.status()["ready_ahead_shards"] >= 2), p.status()
+        assert origin.gets["data/train-002.tar"] == 1 and origin.gets["data/train-000.tar"] == 1
+        for i, url in enumerate(urls):
+            body, cache = _get(url, p.headers)
+            assert body == E2E_SHARDS[url.split("/", 3)[3]]
+            assert p.status()["position"] == i + 1
+        st = p.status()
+        assert st["done"] and st["planned_hits"] >= 2
+        assert sum(origin.gets.values()) == 4  # every shard came over the network once
+        assert [x["id"] for x in list_plans(proxy.url)] == [p.id]
+    assert list_plans(proxy.url) == []
+    with pytest.raises(PlanError) as info:
+        p.status()
+    assert info.value.status == 404
+    assert _metric(proxy.url, "shardcache_plan_requests_total") >= 4
+
+
+@e2e
+def test_e2e_webdataset_unmodified_with_a_plan(fresh):
+    """No header: the proxy matches the requests to the plan by position."""
+    import webdataset as wds
+
+    origin, proxy = fresh
+    pattern = f"{proxy.url}/data/train-{{000..005}}.tar"
+    with shardcache.plan(pattern, proxy.url) as p:
+        samples = list(wds.WebDataset(pattern, shardshuffle=False))
+        st = p.status()
+    assert len(samples) == 6 * 4
+    assert st["position"] == 6 and st["done"]
+
+
+@e2e
+def test_e2e_upstream_and_s3_urls_in_a_plan(fresh):
+    import boto3
+    from botocore import UNSIGNED
+    from botocore.config import Config
+
+    origin, proxy = fresh
+    with shardcache.plan(
+        [f"{origin.url}/data/train-000.tar", "s3://bucket/train-001.tar", "/data/train-002.tar"],
+        proxy.url,
+    ) as p:
+        _get(f"{proxy.url}/data/train-000.tar")
+        assert p.status()["position"] == 1
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=proxy.url,
+            region_name="us-east-1",
+            config=Config(signature_version=UNSIGNED, s3={"addressing_style": "path"}),
+        )
+        body = s3.get_object(Bucket="bucket", Key="train-001.tar")["Body"].read()
+        assert body == E2E_SHARDS["data/train-001.tar"]
+        assert p.status()["position"] == 2
+
+
+@e2e
+def test_e2e_shard_dataset_plans_itself(fresh, monkeypatch):
+    origin, proxy = fresh
+    monkeypatch.setenv("SHARDCACHE_PROXY", proxy.url)
+    ds = ShardDataset(f"{proxy.url}/data/train-{{000..005}}.tar", shuffle=True, plan_name="ds")
+    it = iter(ds)
+    next(it)
+    (plan,) = list_plans(proxy.url)
+    assert plan["name"] == "ds/worker-0" and plan["shards"] == 6 and plan["position"] == 1
+    assert len(list(it)) == 6 * 4 - 1
+    assert list_plans(proxy.url) == []
+
+
+@e2e
+def test_e2e_refusals_carry_the_proxys_text(fresh):
+    origin, proxy = fresh
+    with pytest.raises(PlanError) as info:
+        shardcache.plan(["http://elsewhere.example/x.tar"], proxy.url)
+    assert info.value.status == 400 and "elsewhere.example" in str(info.value)
+    with pytest.raises(PlanError) as info:
+        shardcache.plan([f"/data/train-{i:03d}.tar" for i in range(51)], proxy.url)
+    assert info.value.status == 413 and "--max-plan-shards" in str(info.value)
+    with pytest.raises(PlanError) as info:
+        shardcache.plan(["/data/train-000.tar"], proxy.url, lookahead="lots")
+    assert info.value.status == 400 and "lookahead" in str(info.value)
+
+
+@e2e
+def test_e2e_cli_register_list_delete(fresh):
+    origin, proxy = fresh
+    res = cli("plan", "/data/train-{000..002}.tar", "--proxy", proxy.url, "--name", "cli")
+    assert res.returncode == 0, res.stderr
+    plan_id = res.stdout.strip()
+    res = cli("plan", "--list", env={"SHARDCACHE_PROXY": proxy.url})
+    assert res.returncode == 0, res.stderr
+    assert plan_id in res.stdout and "cli" in res.stdout and "0/3" in res.stdout
+    res = cli("plan", "--delete", plan_id, "--proxy", proxy.url)
+    assert res.returncode == 0, res.stderr
+    assert list_plans(proxy.url) == []
+
+
+@e2e
+def test_e2e_cli_watch_ends_when_the_reader_is_done(fresh):
+    origin, proxy = fresh
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "shardcache", "plan", "/data/train-{000..002}.tar"]
+        + ["--proxy", proxy.url, "--watch", "--interval", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert _wait_for(lambda: list_plans(proxy.url))
+        for i in range(3):
+            _get(f"{proxy.url}/data/train-{i:03d}.tar")
+        out, err = watcher.communicate(timeout=30)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()
+    assert watcher.returncode == 0, err
+    assert out.splitlines()[-1].startswith("3/3 shards read") and "done" in out
+    assert list_plans(proxy.url) == []
+
+
+@e2e
+def test_e2e_admin_token(tmp_path, monkeypatch):
+    origin = Origin(files=dict(E2E_SHARDS)).start()
+    proxy = ProxyProcess(
+        tmp_path / "cache", "--upstream", origin.url, "--admin-token", "tok"
+    ).start()
+    try:
+        with pytest.raises(PlanError) as info:
+            shardcache.plan(["/data/train-000.tar"], proxy.url)
+        assert info.value.status == 401 and "token" in str(info.value)
+        monkeypatch.setenv("SHARDCACHE_ADMIN_TOKEN", "tok")
+        with shardcache.plan(["/data/train-000.tar"], proxy.url) as p:
+            assert p.status()["shards"] == 1
+        assert list_plans(proxy.url) == []
+    finally:
+        proxy.stop()
+        origin.stop()

@@ -68,6 +68,14 @@ def plan_rows(plans: list[Mapping[str, Any]]) -> list[tuple[Any, ...]]:
     return rows
 
 
+def _lookahead(text: str | None) -> int | str | None:
+    """``--lookahead``: a whole number is a shard count, anything else a size."""
+    if text is None:
+        return None
+    text = text.strip()
+    return int(text) if text.isdigit() else text
+
+
 def is_done(status: Mapping[str, Any]) -> bool:
     shards = _num(status, "shards")
     return bool(status.get("done")) or (shards > 0 and _num(status, "position") >= shards)
@@ -171,7 +179,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not args.pattern:
         args.parser.error("PATTERN is required (or use --list or --delete ID)")
     try:
-        plan = Plan(args.pattern, proxy, args.name, args.lookahead)
+        plan = Plan(args.pattern, proxy, args.name, _lookahead(args.lookahead))
     except PlanError as exc:
         raise _unreachable(proxy, exc) from exc
     except ValueError as exc:
