@@ -1,4 +1,5 @@
-"""Write docs/configuration.md from the CLI's parsers.
+"""Write docs/configuration.md from the settings table (proxy/config.py) and the tools'
+parsers.
 
 python docs/gen_configuration.py          # rewrite the file
 python docs/gen_configuration.py --check  # exit 1 if the file is out of date

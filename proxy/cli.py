@@ -12,7 +12,13 @@ import ssl
 import sys
 from collections.abc import Callable
 
-from proxy.config import Settings, add_serve_arguments, configure_logging, settings_from_args
+from proxy.config import (
+    SIZE_UNITS,
+    Settings,
+    add_serve_arguments,
+    configure_logging,
+    settings_from_args,
+)
 from shardcache.errors import ConfigError, StoreUnusable
 
 __all__ = ["register", "serve", "run_server", "tls_context"]
@@ -26,7 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="run the caching proxy daemon",
         description="Serve shards from upstreams through an on-disk cache. Every flag also "
-        "reads SHARDCACHE_<FLAG> from the environment; the flag wins.",
+        "reads SHARDCACHE_<FLAG> from the environment and a key of the --config file; the "
+        "flag wins over the environment, the environment over the file. " + SIZE_UNITS,
     )
     add_serve_arguments(p)
     p.set_defaults(func=_serve_command)

@@ -1,188 +1,226 @@
-"""Settings of the proxy: parsed once at startup from flags and ``SHARDCACHE_*`` variables.
+"""Settings of the proxy: one table, :data:`SETTINGS`, declares each setting once.
 
-Every flag has an environment variable named after it (``--cache-size`` ↔
-``SHARDCACHE_CACHE_SIZE``); a flag given on the command line wins over the variable. A
-bad value raises :class:`~shardcache.errors.ConfigError` naming the flag.
+A :class:`Setting` gives the field of :class:`Settings`, its flag (``--cache-size``), its
+environment variable (``SHARDCACHE_CACHE_SIZE``), how a value is parsed and bounded, its
+default and its help. Everything else is derived from the table: the ``serve`` flags
+(help with the default and the variable appended), the reading of the environment and of
+a ``--config`` TOML file, the defaults of :class:`Settings`, and docs/configuration.md.
+
+Settings are read once, at startup. Precedence: flag > environment variable > config
+file > default. A bad value raises :class:`~shardcache.errors.ConfigError` naming the
+flag; checks that involve several settings live in :func:`_check_together`.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
+import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 from urllib.parse import urlsplit
 
 from proxy.policy import Upstream, parse_min_free, parse_revalidate, parse_size
-from proxy.upstream.s3url import parse_s3_url
 from shardcache.errors import BadRequest, ConfigError
+from shardcache.store import DEFAULT_MIN_FREE_CAP, DEFAULT_MIN_FREE_FRACTION, POLICIES
 
-__all__ = ["Settings", "add_serve_arguments", "settings_from_args", "parse_settings", "ENV_PREFIX"]
+__all__ = [
+    "CONFIG_FILE",
+    "DEFAULTS",
+    "ENV_PREFIX",
+    "SETTINGS",
+    "SIZE_UNITS",
+    "Setting",
+    "Settings",
+    "add_serve_arguments",
+    "parse_settings",
+    "settings_from_args",
+]
 
 ENV_PREFIX = "SHARDCACHE_"
-EVICTION_POLICIES = ("lru", "fifo", "keep")
+EVICTION_POLICIES = POLICIES  # the store's
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+SIZE_UNITS = (
+    "Sizes are bytes, or a number with a unit: K, M, G, T, P are powers of 1000 "
+    "(G = 10^9 bytes), KiB, MiB, GiB, TiB, PiB powers of 1024 (GiB = 2^30 bytes); "
+    "the B and the case are optional, so 500G, 1.5T and 10MiB all work."
+)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _DOMAIN_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$")
 
 
+# --------------------------------------------------------------------------- the table
+
+
 @dataclass(frozen=True)
-class Settings:
-    """Everything the proxy needs to know, validated."""
+class Setting:
+    """One setting: the single place its name, flag, variable, parser and default live.
 
-    cache_dir: Path
-    upstreams: tuple[Upstream, ...] = ()
-    cache_size: int = 100 * 1000**3
-    host: str = "127.0.0.1"
-    port: int = 8080
-    admin_token: str | None = None
-    allow_hosts: tuple[str, ...] = ()
-    log_level: str = "info"
-    eviction: str = "lru"
-    connect_timeout: float = 10.0
-    read_timeout: float = 60.0
-    retries: int = 3
-    retry_backoff: float = 0.5
-    grace_period: float = 30.0
-    max_path_length: int = 1024
-    prefetch_concurrency: int = 4
-    plan_ttl: float = 600.0
-    plan_lookahead: int = 8
-    max_plans: int = 64
-    max_plan_shards: int = 1_000_000
-    chunk_size: int = 1 << 20
-    part_size: int = 8 * 1024 * 1024
-    parallel: int = 8
-    http_parts: bool = False
-    http_transport: str = "threads"
-    s3_endpoint_url: str | None = None
-    s3_region: str | None = None
-    s3_profile: str | None = None
-    s3_front_access_key: str | None = None
-    s3_front_secret_key: str | None = None
-    s3_domains: tuple[str, ...] = ("localhost",)
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    min_free: int | float | None = None  # bytes, a fraction, or None: 5%, at most 1 GiB
-    revalidate: float | None = None  # None: never (immutable); 0: always; else max age s
-    store_probe_interval: float = 5.0
-    workers: int = 1
+    ``parse`` turns the text of a value (for a ``many`` setting: the list of texts) into
+    the value, raising ValueError with a message; ``choices`` (compared in lower case),
+    ``minimum`` and ``maximum`` are checked after it. ``flag=None`` marks a setting that
+    only code sets (tests, embedding): no flag, no variable, no file key.
+    """
 
+    name: str
+    default: Any
+    help: str
+    parse: Callable[[Any], Any] = str
+    flag: str | None = ""  # "": "--" + name with dashes
+    env: str = ""  # "": ENV_PREFIX + NAME
+    metavar: str | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] = ()
+    many: bool = False  # a list: repeatable flag; comma or space separated elsewhere
+    split_flag: bool = True  # a many setting: split each flag value on commas too
+    required: bool = False
+    none_means: str = ""  # what a default of None does, for the help
+    show: Callable[[Any], str] | None = None  # how the default reads in the help
 
-# (flag, dest, help, default-as-text or None)
-_OPTIONS: tuple[tuple[str, str, str], ...] = (
-    ("--cache-dir", "cache_dir", "directory of the on-disk store (required)"),
-    ("--cache-size", "cache_size", "bound on cached bytes, e.g. 500G, 1.5T, 10MiB (default 100G)"),
-    ("--host", "host", "address to listen on (default 127.0.0.1)"),
-    ("--port", "port", "port to listen on; 0 picks a free one (default 8080)"),
-    (
-        "--workers",
-        "workers",
-        "processes serving the port, one store; a miss still costs one upstream GET (default 1)",
-    ),
-    ("--admin-token", "admin_token", "bearer token required by mutating admin routes"),
-    ("--log-level", "log_level", "debug, info, warning, error (default info)"),
-    ("--eviction", "eviction", "lru, fifo or keep (stop admitting once full) (default lru)"),
-    (
-        "--min-free",
-        "min_free",
-        "space always kept free on the cache filesystem: bytes (2G) or a percentage (10%%) "
-        "(default 5%%, at most 1GiB)",
-    ),
-    (
-        "--revalidate",
-        "revalidate",
-        "never (shards are immutable), always, or an age such as 10m after which a hit asks "
-        "the upstream whether it changed (default never)",
-    ),
-    (
-        "--store-probe-interval",
-        "store_probe_interval",
-        "seconds between checks whether an unwritable store takes writes again (default 5)",
-    ),
-    ("--connect-timeout", "connect_timeout", "upstream connect timeout, seconds (default 10)"),
-    ("--read-timeout", "read_timeout", "upstream idle read timeout, seconds (default 60)"),
-    ("--retries", "retries", "resume attempts after an upstream fails mid-body (default 3)"),
-    ("--grace-period", "grace_period", "seconds to let responses finish on SIGTERM (default 30)"),
-    ("--max-path-length", "max_path_length", "longest accepted request path (default 1024)"),
-    (
-        "--prefetch-concurrency",
-        "prefetch_concurrency",
-        "parallel background downloads for read plans and prefetch (default 4)",
-    ),
-    (
-        "--plan-ttl",
-        "plan_ttl",
-        "seconds a read plan lives after its reader's last request (default 600)",
-    ),
-    (
-        "--plan-lookahead",
-        "plan_lookahead",
-        "shards a read plan keeps downloading ahead of its reader, at most (default 8)",
-    ),
-    ("--max-plans", "max_plans", "read plans registered at once, at most (default 64)"),
-    ("--max-plan-shards", "max_plan_shards", "shards in one read plan, at most (default 1000000)"),
-    (
-        "--part-size",
-        "part_size",
-        "ranged part size for large objects, e.g. 8MiB; 0 disables (default 8MiB)",
-    ),
-    ("--parallel", "parallel", "concurrent ranged parts per object (default 8)"),
-    (
-        "--http-parts",
-        "http_parts",
-        "on: also fetch large http(s) shards in parallel ranged parts (s3:// always are); "
-        "for origins that limit each connection (default off)",
-    ),
-    (
-        "--http-transport",
-        "http_transport",
-        "how one http(s) stream is received: threads (blocking sockets in worker threads, "
-        "spliced into the file) or aiohttp (on the event loop) (default threads)",
-    ),
-    (
-        "--s3-endpoint-url",
-        "s3_endpoint_url",
-        "S3-compatible endpoint for s3:// upstreams (default AWS)",
-    ),
-    ("--s3-region", "s3_region", "S3 region (default from the AWS config)"),
-    ("--s3-profile", "s3_profile", "AWS shared-config profile for s3:// upstreams"),
-    ("--s3-front-access-key", "s3_front_access_key", "access key S3 clients must sign with"),
-    ("--s3-front-secret-key", "s3_front_secret_key", "secret key S3 clients must sign with"),
-    (
-        "--s3-domain",
-        "s3_domains",
-        "domains under which the S3 front answers virtual-hosted requests (Host: "
-        "BUCKET.DOMAIN), comma separated (default localhost)",
-    ),
-    ("--tls-cert", "tls_cert", "PEM certificate chain: serve HTTPS instead of HTTP"),
-    ("--tls-key", "tls_key", "PEM private key of --tls-cert"),
-)
+    def __post_init__(self) -> None:
+        if self.flag == "":
+            object.__setattr__(self, "flag", "--" + self.name.replace("_", "-"))
+        if self.env == "" and self.flag is not None:
+            object.__setattr__(self, "env", ENV_PREFIX + self.name.upper())
+
+    def default_text(self) -> str:
+        """The default as the help and the docs show it; "" when there is none."""
+        if self.required:
+            return "required"
+        if self.default is None:
+            return self.none_means
+        if self.show is not None:
+            return self.show(self.default)
+        return _show(self.default)
+
+    def meaning(self) -> str:
+        """The help text with the accepted choices, as plain text."""
+        if self.choices:
+            return f"{self.help} (one of {', '.join(self.choices)})"
+        return self.help
+
+    def help_line(self) -> str:
+        """The ``--help`` text: the meaning, the default and the variable."""
+        notes = [f"one of {', '.join(self.choices)}"] if self.choices else []
+        default = self.default_text()
+        if default:
+            notes.append(default if self.required else f"default {default}")
+        text = self.help + (f" ({'; '.join(notes)})" if notes else "")
+        return text + f" [env {self.env}" + (", comma or space separated]" if self.many else "]")
+
+    def convert(self, raw: Any, source: str = "") -> Any:
+        """The value of ``raw`` (text, or a list of texts), checked; ConfigError naming
+        the flag (and ``source``, where the value came from, when not the command line)."""
+        where = f" (from {source})" if source else ""
+        flag = self.flag or self.name
+        if self.choices:
+            value = str(raw).strip().lower()
+            if value not in self.choices:
+                raise ConfigError(
+                    flag, f"must be one of {', '.join(self.choices)} (got {raw!r}){where}"
+                )
+            return value
+        try:
+            value = self.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(flag, f"{exc}{where}") from None
+        if self.minimum is not None and not value >= self.minimum:
+            raise ConfigError(flag, f"must be at least {self.minimum:g} (got {raw!r}){where}")
+        if self.maximum is not None and not value <= self.maximum:
+            raise ConfigError(flag, f"must be at most {self.maximum:g} (got {raw!r}){where}")
+        return value
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the proxy's flags; defaults are None so environment variables can fill in."""
-    parser.add_argument(
-        "--upstream",
-        action="append",
-        default=None,
-        metavar="[NAME=]URL",
-        help="upstream base URL (http, https, file, s3); NAME=URL mounts it under /NAME/; "
-        "repeatable (env SHARDCACHE_UPSTREAM, comma or space separated)",
-    )
-    parser.add_argument(
-        "--allow-host",
-        action="append",
-        default=None,
-        metavar="HOST[:PORT]",
-        help="host that /http(s)://HOST/... may fetch from; repeatable",
-    )
-    for flag, dest, help_text in _OPTIONS:
-        env = ENV_PREFIX + dest.upper()
-        parser.add_argument(flag, dest=dest, default=None, help=f"{help_text} [env {env}]")
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, tuple):
+        return ", ".join(map(str, value))
+    return str(value)
+
+
+def _show_size(n: int) -> str:
+    """``100G`` for 100 * 10^9, ``8MiB`` for 8 * 2^20: how a size default reads."""
+    for i in range(6, 0, -1):
+        if n and n % 1000**i == 0:
+            return f"{n // 1000**i}{'KMGTPE'[i - 1]}"
+        if n and n % 1024**i == 0:
+            return f"{n // 1024**i}{'KMGTPE'[i - 1]}iB"
+    return str(n)
+
+
+# --------------------------------------------------------------------------- parsers
+# Each takes the text of one value and raises ValueError saying what is wrong with it.
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"not a number: {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"not a finite number: {text!r}")
+    return value
+
+
+def _on_off(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("on", "true", "yes", "1"):
+        return True
+    if t in ("off", "false", "no", "0"):
+        return False
+    raise ValueError(f"must be on or off (got {text!r})")
+
+
+def _cache_dir(text: str) -> Path:
+    if not text.strip():
+        raise ValueError("must not be empty")
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{text} exists and is not a directory")
+    return path
+
+
+def _readable_file(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not path.is_file() or not os.access(path, os.R_OK):
+        raise ValueError(f"{path} is not a readable file")
+    return path
+
+
+def _http_url(text: str) -> str:
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"must be an http(s) URL with a host (got {text!r})")
+    return text
+
+
+def _split_list(value: str) -> list[str]:
+    return [v for v in re.split(r"[,\s]+", value) if v]
+
+
+def _domains(text: str) -> tuple[str, ...]:
+    domains = tuple(d.strip().strip(".").lower() for d in _split_list(text) if d.strip("."))
+    for d in domains:
+        if not _DOMAIN_RE.match(d):
+            raise ValueError(f"not a domain name: {d!r}")
+    return domains
 
 
 def _have(module: str) -> bool:
@@ -195,221 +233,420 @@ def _have(module: str) -> bool:
         return False
 
 
-def _split_list(value: str) -> list[str]:
-    return [v for v in re.split(r"[,\s]+", value) if v]
-
-
 def _parse_upstream(value: str) -> Upstream:
+    # imported here: proxy.upstream reads DEFAULTS from this module
+    from proxy.upstream.s3url import parse_s3_url
+
     name: str | None = None
     url = value.strip()
     head, eq, tail = url.partition("=")
     if eq and "/" not in head and ":" not in head:
         name, url = head, tail
         if not _NAME_RE.match(name):
-            raise ConfigError("--upstream", f"bad upstream name {name!r} in {value!r}")
+            raise ValueError(f"bad upstream name {name!r} in {value!r}")
     parts = urlsplit(url)
     if parts.scheme == "s3":
         try:
             parse_s3_url(url)
         except BadRequest as exc:
-            raise ConfigError("--upstream", str(exc)) from None
+            raise ValueError(str(exc)) from None
         if parts.query or parts.fragment:
-            raise ConfigError("--upstream", f"{value!r}: no query or fragment allowed")
+            raise ValueError(f"{value!r}: no query or fragment allowed")
         return Upstream(name, url.rstrip("/"))
     if parts.scheme not in ("http", "https", "file"):
-        raise ConfigError(
-            "--upstream",
-            f"{value!r}: scheme must be http, https, file or s3 (got {parts.scheme!r})",
+        raise ValueError(
+            f"{value!r}: scheme must be http, https, file or s3 (got {parts.scheme!r})"
         )
     if parts.scheme in ("http", "https") and not parts.hostname:
-        raise ConfigError("--upstream", f"{value!r}: no host")
+        raise ValueError(f"{value!r}: no host")
     if parts.scheme == "file" and not parts.path.startswith("/"):
-        raise ConfigError("--upstream", f"{value!r}: file URLs need an absolute path")
+        raise ValueError(f"{value!r}: file URLs need an absolute path")
     if parts.query or parts.fragment:
-        raise ConfigError("--upstream", f"{value!r}: no query or fragment allowed")
+        raise ValueError(f"{value!r}: no query or fragment allowed")
     return Upstream(name, url.rstrip("/"))
 
 
-def _number(flag: str, text: str, kind: type, minimum: float) -> float | int:
-    try:
-        value = kind(text)
-    except ValueError:
-        raise ConfigError(flag, f"not a number: {text!r}") from None
-    if not value >= minimum or value == float("inf"):
-        raise ConfigError(flag, f"must be at least {minimum} (got {text!r})")
-    return value
-
-
-def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
-    """Build validated Settings from parsed flags, falling back to ``environ``."""
-
-    def get(dest: str) -> str | None:
-        value = getattr(args, dest, None)
-        if value is None:
-            value = environ.get(ENV_PREFIX + dest.upper())
-            if value is not None and value.strip() == "":
-                value = None
-        return value
-
-    def get_list(dest: str) -> list[str]:
-        value = getattr(args, dest, None)
-        if value:
-            out: list[str] = []
-            for v in value:
-                out.extend(_split_list(v) if dest == "allow_host" else [v])
-            return out
-        env = environ.get(ENV_PREFIX + dest.upper())
-        return _split_list(env) if env else []
-
-    kw: dict[str, object] = {}
-    cache_dir = get("cache_dir")
-    if not cache_dir:
-        raise ConfigError("--cache-dir", "required (or set SHARDCACHE_CACHE_DIR)")
-    kw["cache_dir"] = Path(cache_dir).expanduser()
-    if kw["cache_dir"].exists() and not kw["cache_dir"].is_dir():  # type: ignore[union-attr]
-        raise ConfigError("--cache-dir", f"{cache_dir} exists and is not a directory")
-
-    upstreams = tuple(_parse_upstream(v) for v in get_list("upstream"))
+def _upstreams(values: list[str]) -> tuple[Upstream, ...]:
+    upstreams = tuple(_parse_upstream(v) for v in values)
     names = [u.name for u in upstreams]
     if names.count(None) > 1:
-        raise ConfigError(
-            "--upstream", "only one upstream may be unnamed; name the others NAME=URL"
-        )
+        raise ValueError("only one upstream may be unnamed; name the others NAME=URL")
     dup = {n for n in names if n is not None and names.count(n) > 1}
     if dup:
-        raise ConfigError("--upstream", f"upstream name used twice: {sorted(dup)[0]}")
-    allow_hosts = tuple(h.lower() for h in get_list("allow_host"))
-    if not upstreams and not allow_hosts:
-        raise ConfigError("--upstream", "at least one upstream is required (or --allow-host)")
+        raise ValueError(f"upstream name used twice: {sorted(dup)[0]}")
     if any(u.base.startswith("s3://") for u in upstreams) and not _have("aiobotocore"):
-        raise ConfigError(
-            "--upstream",
+        raise ValueError(
             "s3:// upstreams need the s3 extra (aiobotocore): pip install 'shardcache[s3]', "
-            "or from a checkout: pip install '.[s3]'",
+            "or from a checkout: pip install '.[s3]'"
         )
-    kw["upstreams"] = upstreams
-    kw["allow_hosts"] = allow_hosts
+    return upstreams
 
-    if (v := get("cache_size")) is not None:
+
+def _hosts(values: list[str]) -> tuple[str, ...]:
+    return tuple(h.lower() for h in values)
+
+
+def _size(text: str) -> int:
+    return parse_size(text)
+
+
+def _min_free_default() -> str:
+    return f"{DEFAULT_MIN_FREE_FRACTION * 100:g}%, at most {_show_size(DEFAULT_MIN_FREE_CAP)}"
+
+
+# The order here is the order of ``serve --help`` and of docs/configuration.md.
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "upstreams",
+        (),
+        "upstream base URL (http, https, file, s3); NAME=URL mounts it under /NAME/; repeatable",
+        _upstreams,
+        flag="--upstream",
+        env=ENV_PREFIX + "UPSTREAM",
+        metavar="[NAME=]URL",
+        many=True,
+        split_flag=False,
+    ),
+    Setting(
+        "allow_hosts",
+        (),
+        "host that /http(s)://HOST/... may fetch from; repeatable",
+        _hosts,
+        flag="--allow-host",
+        env=ENV_PREFIX + "ALLOW_HOST",
+        metavar="HOST[:PORT]",
+        many=True,
+    ),
+    Setting("cache_dir", None, "directory of the on-disk store", _cache_dir, required=True),
+    Setting(
+        "cache_size",
+        100 * 1000**3,
+        "bound on cached bytes, e.g. 500G (G = 10^9 bytes), 1.5T, 10GiB (GiB = 2^30 bytes)",
+        _size,
+        minimum=1,
+        show=_show_size,
+    ),
+    Setting("host", "127.0.0.1", "address to listen on"),
+    Setting("port", 8080, "port to listen on; 0 picks a free one", _int, minimum=0, maximum=65535),
+    Setting(
+        "workers",
+        1,
+        "processes serving the port, one store; a miss still costs one upstream GET",
+        _int,
+        minimum=1,
+        maximum=64,
+    ),
+    Setting("admin_token", None, "bearer token required by mutating admin routes"),
+    Setting("log_level", "info", "lowest level of the messages logged", choices=LOG_LEVELS),
+    Setting(
+        "eviction",
+        "lru",
+        "what makes room once the cache is full: evict the least recently used or the "
+        "oldest entries, or keep them all and stop admitting new ones",
+        choices=EVICTION_POLICIES,
+    ),
+    Setting(
+        "min_free",
+        None,
+        "space always kept free on the cache filesystem: bytes (2G) or a percentage (10%)",
+        parse_min_free,
+        none_means=_min_free_default(),
+    ),
+    Setting(
+        "revalidate",
+        None,
+        "never (shards are immutable), always, or an age such as 10m after which a hit asks "
+        "the upstream whether it changed",
+        parse_revalidate,
+        none_means="never",
+    ),
+    Setting(
+        "store_probe_interval",
+        5.0,
+        "seconds between checks whether an unwritable store takes writes again",
+        _float,
+        minimum=0.05,
+    ),
+    Setting("connect_timeout", 10.0, "upstream connect timeout, seconds", _float, minimum=0.001),
+    Setting("read_timeout", 60.0, "upstream idle read timeout, seconds", _float, minimum=0.001),
+    Setting("retries", 3, "resume attempts after an upstream fails mid-body", _int, minimum=0),
+    Setting("grace_period", 30.0, "seconds to let responses finish on SIGTERM", _float, minimum=0),
+    Setting("max_path_length", 1024, "longest accepted request path", _int, minimum=16),
+    Setting(
+        "prefetch_concurrency",
+        4,
+        "parallel background downloads for read plans and prefetch",
+        _int,
+        minimum=1,
+    ),
+    Setting(
+        "plan_ttl",
+        600.0,
+        "seconds a read plan lives after its reader's last request",
+        _float,
+        minimum=1,
+    ),
+    Setting(
+        "plan_lookahead",
+        8,
+        "shards a read plan keeps downloading ahead of its reader, at most",
+        _int,
+        minimum=1,
+    ),
+    Setting("max_plans", 64, "read plans registered at once, at most", _int, minimum=1),
+    Setting("max_plan_shards", 1_000_000, "shards in one read plan, at most", _int, minimum=1),
+    Setting(
+        "part_size",
+        8 * 1024 * 1024,
+        "ranged part size for large objects, e.g. 8MiB; 0 disables",
+        _size,
+        show=_show_size,
+    ),
+    Setting("parallel", 8, "concurrent ranged parts per object", _int, minimum=1),
+    Setting(
+        "http_parts",
+        False,
+        "on: also fetch large http(s) shards in parallel ranged parts (s3:// always are); "
+        "for origins that limit each connection",
+        _on_off,
+    ),
+    Setting(
+        "http_transport",
+        "threads",
+        "how one http(s) stream is received: threads receives on blocking sockets in "
+        "worker threads and splices into the file, aiohttp on the event loop",
+        choices=("threads", "aiohttp"),
+    ),
+    Setting(
+        "s3_endpoint_url",
+        None,
+        "S3-compatible endpoint for s3:// upstreams",
+        _http_url,
+        none_means="AWS",
+    ),
+    Setting("s3_region", None, "S3 region", none_means="from the AWS config"),
+    Setting("s3_profile", None, "AWS shared-config profile for s3:// upstreams"),
+    Setting("s3_front_access_key", None, "access key S3 clients must sign with"),
+    Setting("s3_front_secret_key", None, "secret key S3 clients must sign with"),
+    Setting(
+        "s3_domains",
+        ("localhost",),
+        "domains under which the S3 front answers virtual-hosted requests (Host: "
+        "BUCKET.DOMAIN), comma separated",
+        _domains,
+        flag="--s3-domain",
+    ),
+    Setting("tls_cert", None, "PEM certificate chain: serve HTTPS instead of HTTP", _readable_file),
+    Setting("tls_key", None, "PEM private key of --tls-cert", _readable_file),
+    # set by code only (tests, benchmarks)
+    Setting(
+        "retry_backoff", 0.5, "first pause between upstream retries, seconds", _float, flag=None
+    ),
+    Setting("chunk_size", 1 << 20, "bytes read from an upstream at a time", _int, flag=None),
+)
+
+CONFIG_FILE = Setting(
+    "config",
+    None,
+    'TOML file of settings keyed by setting name: cache_size = "500G", upstreams = '
+    '["http://a"], allow_hosts, s3_domains...; flags and environment variables win over it',
+    _readable_file,
+    metavar="FILE.toml",
+)
+
+BY_NAME: Mapping[str, Setting] = MappingProxyType({s.name: s for s in SETTINGS})
+DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {s.name: s.default for s in SETTINGS if not s.required}
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the proxy needs to know, validated. Defaults come from :data:`SETTINGS`."""
+
+    cache_dir: Path
+    upstreams: tuple[Upstream, ...] = DEFAULTS["upstreams"]
+    cache_size: int = DEFAULTS["cache_size"]
+    host: str = DEFAULTS["host"]
+    port: int = DEFAULTS["port"]
+    admin_token: str | None = DEFAULTS["admin_token"]
+    allow_hosts: tuple[str, ...] = DEFAULTS["allow_hosts"]
+    log_level: str = DEFAULTS["log_level"]
+    eviction: str = DEFAULTS["eviction"]
+    connect_timeout: float = DEFAULTS["connect_timeout"]
+    read_timeout: float = DEFAULTS["read_timeout"]
+    retries: int = DEFAULTS["retries"]
+    retry_backoff: float = DEFAULTS["retry_backoff"]
+    grace_period: float = DEFAULTS["grace_period"]
+    max_path_length: int = DEFAULTS["max_path_length"]
+    prefetch_concurrency: int = DEFAULTS["prefetch_concurrency"]
+    plan_ttl: float = DEFAULTS["plan_ttl"]
+    plan_lookahead: int = DEFAULTS["plan_lookahead"]
+    max_plans: int = DEFAULTS["max_plans"]
+    max_plan_shards: int = DEFAULTS["max_plan_shards"]
+    chunk_size: int = DEFAULTS["chunk_size"]
+    part_size: int = DEFAULTS["part_size"]
+    parallel: int = DEFAULTS["parallel"]
+    http_parts: bool = DEFAULTS["http_parts"]
+    http_transport: str = DEFAULTS["http_transport"]
+    s3_endpoint_url: str | None = DEFAULTS["s3_endpoint_url"]
+    s3_region: str | None = DEFAULTS["s3_region"]
+    s3_profile: str | None = DEFAULTS["s3_profile"]
+    s3_front_access_key: str | None = DEFAULTS["s3_front_access_key"]
+    s3_front_secret_key: str | None = DEFAULTS["s3_front_secret_key"]
+    s3_domains: tuple[str, ...] = DEFAULTS["s3_domains"]
+    tls_cert: Path | None = DEFAULTS["tls_cert"]
+    tls_key: Path | None = DEFAULTS["tls_key"]
+    min_free: int | float | None = DEFAULTS["min_free"]  # bytes, a fraction, or None
+    revalidate: float | None = DEFAULTS["revalidate"]  # None: never; 0: always; else max age
+    store_probe_interval: float = DEFAULTS["store_probe_interval"]
+    workers: int = DEFAULTS["workers"]
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add a flag for each setting of the table; defaults are None so that environment
+    variables and the config file can fill in."""
+    # A value such as -5G would otherwise be taken for an unknown option, and the error
+    # ("expected one argument") would hide the real one; no serve flag starts with a digit.
+    if hasattr(parser, "_negative_number_matcher"):
+        parser._negative_number_matcher = re.compile(r"^-\.?\d")
+    for s in (CONFIG_FILE, *SETTINGS):
+        if s.flag is None:
+            continue
+        parser.add_argument(
+            s.flag,
+            dest=s.name,
+            default=None,
+            metavar=s.metavar,
+            action="append" if s.many else "store",
+            help=s.help_line().replace("%", "%%"),  # argparse %-formats help
+        )
+
+
+def _blank(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and not value.strip())
+
+
+def _file_text(s: Setting, value: Any) -> Any:
+    """A TOML value as the text (or list of texts) a flag would give."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (int, float, str)):
+        return str(value)
+    if isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value):
+        return [str(v) for v in value] if s.many else ",".join(map(str, value))
+    raise ConfigError(s.flag or s.name, f"expected a string, a number or a list (got {value!r})")
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The settings of a TOML file, by name; ConfigError for a file that cannot be read
+    or a key that names no setting."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
         try:
-            size = parse_size(v)
-        except ValueError as exc:
-            raise ConfigError("--cache-size", str(exc)) from None
-        if size <= 0:
-            raise ConfigError("--cache-size", f"must be positive (got {v!r})")
-        kw["cache_size"] = size
-    if (v := get("host")) is not None:
-        kw["host"] = v
-    if (v := get("port")) is not None:
-        port = _number("--port", v, int, 0)
-        if port > 65535:
-            raise ConfigError("--port", f"must be at most 65535 (got {v!r})")
-        kw["port"] = port
-    if (v := get("admin_token")) is not None:
-        kw["admin_token"] = v
-    if (v := get("log_level")) is not None:
-        if v.lower() not in LOG_LEVELS:
-            raise ConfigError("--log-level", f"must be one of {', '.join(LOG_LEVELS)} (got {v!r})")
-        kw["log_level"] = v.lower()
-    if (v := get("eviction")) is not None:
-        if v.lower() not in EVICTION_POLICIES:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
             raise ConfigError(
-                "--eviction", f"must be one of {', '.join(EVICTION_POLICIES)} (got {v!r})"
-            )
-        kw["eviction"] = v.lower()
-    for flag, dest, kind, minimum in (
-        ("--connect-timeout", "connect_timeout", float, 0.001),
-        ("--read-timeout", "read_timeout", float, 0.001),
-        ("--retries", "retries", int, 0),
-        ("--grace-period", "grace_period", float, 0),
-        ("--max-path-length", "max_path_length", int, 16),
-        ("--prefetch-concurrency", "prefetch_concurrency", int, 1),
-        ("--plan-ttl", "plan_ttl", float, 1),
-        ("--plan-lookahead", "plan_lookahead", int, 1),
-        ("--max-plans", "max_plans", int, 1),
-        ("--max-plan-shards", "max_plan_shards", int, 1),
-        ("--store-probe-interval", "store_probe_interval", float, 0.05),
-        ("--workers", "workers", int, 1),
-    ):
-        if (v := get(dest)) is not None:
-            kw[dest] = _number(flag, v, kind, minimum)
-    if (v := get("min_free")) is not None:
-        try:
-            kw["min_free"] = parse_min_free(v)
-        except ValueError as exc:
-            raise ConfigError("--min-free", str(exc)) from None
-    if (v := get("revalidate")) is not None:
-        try:
-            kw["revalidate"] = parse_revalidate(v)
-        except ValueError as exc:
-            raise ConfigError("--revalidate", str(exc)) from None
-    if (v := get("part_size")) is not None:
-        try:
-            kw["part_size"] = parse_size(v)
-        except ValueError as exc:
-            raise ConfigError("--part-size", str(exc)) from None
-    if (v := get("parallel")) is not None:
-        kw["parallel"] = _number("--parallel", v, int, 1)
-    if (v := get("http_parts")) is not None:
-        if v.lower() in ("on", "true", "yes", "1"):
-            kw["http_parts"] = True
-        elif v.lower() in ("off", "false", "no", "0"):
-            kw["http_parts"] = False
-        else:
-            raise ConfigError("--http-parts", f"must be on or off (got {v!r})")
-    if (v := get("http_transport")) is not None:
-        if v.lower() not in ("threads", "aiohttp"):
-            raise ConfigError("--http-transport", f"must be threads or aiohttp (got {v!r})")
-        kw["http_transport"] = v.lower()
-    if (v := get("s3_endpoint_url")) is not None:
-        ep = urlsplit(v)
-        if ep.scheme not in ("http", "https") or not ep.hostname:
-            raise ConfigError(
-                "--s3-endpoint-url", f"must be an http(s) URL with a host (got {v!r})"
-            )
-        kw["s3_endpoint_url"] = v
-    for dest in ("s3_region", "s3_profile", "s3_front_access_key", "s3_front_secret_key"):
-        if (v := get(dest)) is not None:
-            kw[dest] = v
-    if int(kw.get("workers", 1)) > 64:  # type: ignore[call-overload]
-        raise ConfigError("--workers", f"must be at most 64 (got {kw['workers']})")
-    if (v := get("s3_domains")) is not None:
-        domains = tuple(d.strip().strip(".").lower() for d in _split_list(v) if d.strip("."))
-        for d in domains:
-            if not _DOMAIN_RE.match(d):
-                raise ConfigError("--s3-domain", f"not a domain name: {d!r}")
-        kw["s3_domains"] = domains
-    for dest, flag in (("tls_cert", "--tls-cert"), ("tls_key", "--tls-key")):
-        if (v := get(dest)) is not None:
-            path = Path(v).expanduser()
-            if not path.is_file() or not os.access(path, os.R_OK):
-                raise ConfigError(flag, f"{path} is not a readable file")
-            kw[dest] = path
-    if bool(kw.get("tls_cert")) != bool(kw.get("tls_key")):
+                "--config", "reading TOML needs Python 3.11 or the tomli package"
+            ) from None
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError("--config", f"cannot read {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from None
+    known = [s.name for s in SETTINGS if s.flag is not None]
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(key, f"not a setting (in {path}){hint}")
+    return data
+
+
+def _given(
+    s: Setting,
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    file: Mapping[str, Any],
+    file_name: str,
+) -> tuple[Any, str] | None:
+    """The raw value of ``s`` and where it came from, by precedence; None if not given."""
+    value = getattr(args, s.name, None)
+    if s.many and value:
+        items: list[str] = []
+        for v in value:
+            items.extend(_split_list(v) if s.split_flag else [v])
+        return items, ""
+    if not s.many and value is not None:
+        return value, ""
+    value = environ.get(s.env) if s.env else None
+    if not _blank(value):
+        return (_split_list(value) if s.many else value), s.env  # type: ignore[arg-type]
+    if s.name in file and not _blank(file[s.name]):
+        text = _file_text(s, file[s.name])
+        if s.many and isinstance(text, str):
+            text = _split_list(text)
+        return text, file_name
+    return None
+
+
+def _check_together(s: Settings) -> None:
+    """The checks that involve more than one setting."""
+    if not s.upstreams and not s.allow_hosts:
+        raise ConfigError("--upstream", "at least one upstream is required (or --allow-host)")
+    if (s.tls_cert is None) != (s.tls_key is None):
         raise ConfigError("--tls-key", "give both --tls-cert and --tls-key, or neither")
-    if kw.get("tls_cert"):
+    if s.tls_cert is not None:
         import ssl
 
         try:
             # never ask a terminal for a passphrase: an encrypted key is an error
             ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-                kw["tls_cert"], kw["tls_key"], password=lambda: b""
+                s.tls_cert, s.tls_key, password=lambda: b""
             )
         except (ssl.SSLError, OSError) as exc:
             raise ConfigError("--tls-cert", f"cannot load the certificate and key: {exc}") from None
-    access, secret = kw.get("s3_front_access_key"), kw.get("s3_front_secret_key")
-    if access and not secret:
+    if s.s3_front_access_key and not s.s3_front_secret_key:
         raise ConfigError("--s3-front-secret-key", "required with --s3-front-access-key")
-    if secret and not access:
+    if s.s3_front_secret_key and not s.s3_front_access_key:
         raise ConfigError("--s3-front-access-key", "required with --s3-front-secret-key")
-    return Settings(**kw)  # type: ignore[arg-type]
+
+
+def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
+    """Build validated Settings from parsed flags, falling back to ``environ``, then to the
+    ``--config`` file (or ``SHARDCACHE_CONFIG``), then to the table's defaults."""
+    file: Mapping[str, Any] = {}
+    file_name = ""
+    config = _given(CONFIG_FILE, args, environ, {}, "")
+    if config is not None:
+        path = CONFIG_FILE.convert(*config)
+        file, file_name = read_config_file(path), str(path)
+    kw: dict[str, Any] = {}
+    for s in SETTINGS:
+        given = _given(s, args, environ, file, file_name)
+        if given is not None:
+            kw[s.name] = s.convert(*given)
+        elif s.required:
+            raise ConfigError(s.flag or s.name, f"required (or set {s.env})")
+    settings = Settings(**kw)
+    _check_together(settings)
+    return settings
 
 
 def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Settings:
     """Parse ``serve`` flags (without the subcommand) into Settings; for tests and embedding."""
     parser = argparse.ArgumentParser(prog="shardcache serve", exit_on_error=False)
     add_serve_arguments(parser)
-    args = parser.parse_args(list(argv))
+    try:
+        args = parser.parse_args(list(argv))
+    except argparse.ArgumentError as exc:
+        raise ConfigError(exc.argument_name or "serve", exc.message) from None
     return settings_from_args(args, os.environ if environ is None else environ)
 
 

@@ -62,9 +62,10 @@ for _i, _p in enumerate("kmgtpe", start=1):
 def parse_size(text: str | int) -> int:
     """Parse a byte count: ``"500G"``, ``"1.5T"``, ``"10MiB"``, ``"4096"``.
 
-    Suffixes K, M, G, T, P, E (optionally followed by ``B``) are powers of 1000; ``Ki``,
-    ``Mi``, ``Gi``… (optionally ``KiB``…) are powers of 1024. Case is ignored. The result
-    is rounded down to whole bytes. Raises ValueError naming the bad text.
+    Suffixes K, M, G, T, P, E (optionally followed by ``B``) are powers of 1000 (``1G`` is
+    10^9 bytes); ``Ki``, ``Mi``, ``Gi``… (optionally ``KiB``…) are powers of 1024 (``1GiB``
+    is 2^30 bytes). Case is ignored. The result is rounded down to whole bytes. Raises
+    ValueError naming the bad text, also for a negative size.
     """
     if isinstance(text, bool):
         raise ValueError(f"not a size: {text!r}")
@@ -72,6 +73,8 @@ def parse_size(text: str | int) -> int:
         if text < 0:
             raise ValueError(f"size must not be negative: {text}")
         return text
+    if str(text).strip().startswith("-"):
+        raise ValueError(f"size must not be negative: {text!r}")
     m = _SIZE_RE.match(str(text))
     if not m:
         raise ValueError(f"not a size: {text!r} (expected e.g. 500G, 1.5T, 10MiB or bytes)")

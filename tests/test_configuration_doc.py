@@ -1,4 +1,5 @@
-"""docs/configuration.md is generated from the CLI's parsers and must match them."""
+"""docs/configuration.md is generated from the settings table and the tools' parsers and
+must match them: CI fails when the file is stale."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from proxy.config import CONFIG_FILE, SETTINGS
 from shardcache.cli import build_parser
 from shardcache.cli.configref import _subparser, configuration_reference
 
@@ -19,17 +21,34 @@ def test_configuration_doc_is_in_sync_with_the_code():
     )
 
 
-def test_every_serve_flag_and_env_var_is_documented():
+def test_every_setting_is_documented_with_its_flag_variable_default_and_help():
     text = configuration_reference()
-    serve = _subparser(build_parser(), "serve")
-    flags = [
-        a for a in serve._actions if a.option_strings and not isinstance(a, argparse._HelpAction)
-    ]
-    assert len(flags) >= 10
-    for action in flags:
-        assert f"`{max(action.option_strings, key=len)}" in text
-        assert f"`SHARDCACHE_{action.dest.upper()}`" in text
+    documented = [s for s in (CONFIG_FILE, *SETTINGS) if s.flag is not None]
+    assert len(documented) >= 30
+    for s in documented:
+        row = next(line for line in text.splitlines() if line.startswith(f"| `{s.flag} "))
+        assert f"`{s.env}`" in row
+        assert s.meaning() in row
+        if s.default_text():
+            assert f"`{s.default_text()}`" in row
     assert "`SHARDCACHE_PROXY`" in text
+
+
+def test_serve_has_exactly_the_flags_of_the_table():
+    """A flag added to ``serve`` outside the table would miss the environment, the file
+    and the docs."""
+    serve = _subparser(build_parser(), "serve")
+    flags = {
+        max(a.option_strings, key=len)
+        for a in serve._actions
+        if a.option_strings and not isinstance(a, argparse._HelpAction)
+    }
+    assert flags == {s.flag for s in (CONFIG_FILE, *SETTINGS) if s.flag is not None}
+
+
+def test_the_doc_states_the_size_units():
+    text = configuration_reference()
+    assert "G = 10^9 bytes" in text and "GiB = 2^30 bytes" in text
 
 
 def test_check_mode_accepts_the_committed_file():
@@ -38,3 +57,17 @@ def test_check_mode_accepts_the_committed_file():
         [sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=60
     )
     assert res.returncode == 0, res.stderr
+
+
+def test_check_mode_fails_on_a_stale_file(tmp_path, monkeypatch):
+    sys.path.insert(0, str(DOC.parent))
+    try:
+        import gen_configuration
+    finally:
+        sys.path.remove(str(DOC.parent))
+    stale = tmp_path / "configuration.md"
+    stale.write_text(DOC.read_text().replace("SHARDCACHE_CACHE_SIZE", "SHARDCACHE_SIZE"))
+    monkeypatch.setattr(gen_configuration, "TARGET", stale)
+    assert gen_configuration.main(["--check"]) == 1
+    assert gen_configuration.main([]) == 0
+    assert gen_configuration.main(["--check"]) == 0

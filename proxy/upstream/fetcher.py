@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from proxy.config import DEFAULTS
 from proxy.policy import ByteRange, parse_range
 from proxy.upstream.aio import AioTransport
 from proxy.upstream.errors import REDIRECTS, UpstreamRedirect, status_error
@@ -67,11 +68,11 @@ class Fetcher:
     def __init__(
         self,
         *,
-        connect_timeout: float = 10.0,
-        read_timeout: float = 60.0,
-        retries: int = 3,
-        retry_backoff: float = 0.5,
-        chunk_size: int = 1 << 20,
+        connect_timeout: float = DEFAULTS["connect_timeout"],
+        read_timeout: float = DEFAULTS["read_timeout"],
+        retries: int = DEFAULTS["retries"],
+        retry_backoff: float = DEFAULTS["retry_backoff"],
+        chunk_size: int = DEFAULTS["chunk_size"],
         observe: Observer = _noop,
         on_bytes: Callable[[int], None] | None = None,
         part_size: int = 0,

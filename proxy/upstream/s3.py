@@ -24,6 +24,7 @@ from typing import Any
 
 from multidict import CIMultiDict
 
+from proxy.config import DEFAULTS
 from proxy.upstream.errors import botocore_error, s3_error
 from proxy.upstream.s3url import S3Location, format_range, join_key, parse_s3_url
 from proxy.upstream.stream import retrying
@@ -90,7 +91,7 @@ class S3Response:
             h["Content-Type"] = meta.content_type
         self.headers: Mapping[str, str] = h
 
-    async def chunks(self, chunk_size: int = 1 << 20) -> AsyncIterator[bytes]:
+    async def chunks(self, chunk_size: int = DEFAULTS["chunk_size"]) -> AsyncIterator[bytes]:
         got = 0
         if self._body is None:
             return
@@ -146,8 +147,8 @@ class S3Upstream:
         credentials: tuple[str, str] | None = None,
         anonymous: bool | None = None,
         addressing_style: str | None = None,
-        connect_timeout: float = 10.0,
-        read_timeout: float = 60.0,
+        connect_timeout: float = DEFAULTS["connect_timeout"],
+        read_timeout: float = DEFAULTS["read_timeout"],
         max_connections: int = 64,
         retries: int = 4,
         backoff: float = 0.2,

@@ -1,5 +1,6 @@
-"""The configuration reference (docs/configuration.md), generated from the parsers of
-``serve`` and the tools."""
+"""The configuration reference (docs/configuration.md): the ``serve`` section is written
+from the settings table (``proxy.config.SETTINGS``), the tools' sections from their
+parsers."""
 
 from __future__ import annotations
 
@@ -23,10 +24,26 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     raise ToolError(f"no {name!r} subcommand in the CLI")
 
 
+def setting_rows() -> list[tuple[str, str, str, str]]:
+    """(flag, environment variable, default, meaning) for each setting of ``serve``, read
+    from the settings table itself."""
+    from proxy.config import CONFIG_FILE, SETTINGS
+
+    rows = []
+    for s in (CONFIG_FILE, *SETTINGS):
+        if s.flag is None:  # set by code only
+            continue
+        rows.append(
+            (f"{s.flag} {s.metavar or s.name.upper()}", s.env, s.default_text(), s.meaning())
+        )
+    return rows
+
+
 def option_rows(
     parser: argparse.ArgumentParser, env_of: Callable[[argparse.Action], str | None]
 ) -> list[tuple[str, str, str, str]]:
-    """(flag, environment variable, default, meaning) for each option of ``parser``.
+    """(flag, environment variable, default, meaning) for each option of a tool's
+    ``parser``.
 
     The default is the argparse default when there is one, else what the help text says
     in ``(default X)``; the help text loses its ``[env ...]`` and ``(default ...)`` notes.
@@ -72,15 +89,12 @@ def _md_table(rows: Sequence[tuple[str, str, str, str]]) -> str:
 
 
 def configuration_reference() -> str:
-    """The configuration reference (markdown), generated from the CLI's own parsers."""
-    from proxy.config import ENV_PREFIX
+    """The configuration reference (markdown), generated from the settings table and the
+    tools' parsers."""
+    from proxy.config import SIZE_UNITS
     from shardcache.cli import build_parser
 
     parser = build_parser()
-    serve = _subparser(parser, "serve")
-
-    def serve_env(action: argparse.Action) -> str:
-        return ENV_PREFIX + action.dest.upper()
 
     def tool_env(action: argparse.Action) -> str | None:
         return {"proxy": PROXY_ENV, "cache_dir": "SHARDCACHE_CACHE_DIR"}.get(action.dest)
@@ -93,13 +107,28 @@ def configuration_reference() -> str:
         "",
         "## `shardcache serve`",
         "",
-        "Every flag can also be given as an environment variable; a flag on the command line "
-        "wins over the variable. Settings are read and validated once at startup, and a bad "
-        "value stops the proxy with a message naming the flag. Sizes accept `500G`, `1.5T`, "
-        "`10MiB` or plain bytes. Lists in an environment variable (`SHARDCACHE_UPSTREAM`, "
-        "`SHARDCACHE_ALLOW_HOST`) are separated by commas or spaces.",
+        "Every flag can also be given as an environment variable, or as a key of a TOML file "
+        "named by `--config`. A flag on the command line wins over the variable, the variable "
+        "over the file, and the file over the default. Settings are read and validated once "
+        "at startup, and a bad value stops the proxy with a message naming the flag (or, for "
+        "an unknown key of the file, the key).",
         "",
-        _md_table(option_rows(serve, serve_env)),
+        SIZE_UNITS,
+        "",
+        "Lists in an environment variable (`SHARDCACHE_UPSTREAM`, `SHARDCACHE_ALLOW_HOST`) "
+        "are separated by commas or spaces; in the file they are TOML arrays. The keys of the "
+        "file are the setting names: the flag without its dashes, with underscores, and "
+        "plural for the lists (`upstreams`, `allow_hosts`, `s3_domains`):",
+        "",
+        "```toml",
+        'cache_dir = "/var/cache/shardcache"',
+        'cache_size = "500G"',
+        'upstreams = ["https://data.example.com/shards", "s3data=s3://bucket/prefix"]',
+        "port = 8080",
+        "http_parts = true",
+        "```",
+        "",
+        _md_table(setting_rows()),
         "",
     ]
     for name in ("prefetch", "stats", "ls"):
