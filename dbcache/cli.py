@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import http.client
 import io
 import json
 import logging
 import os
+import socket
+import sqlite3
 import sys
 import tarfile
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Iterator, Sequence
+from typing import IO, Any
+from urllib.parse import urlsplit
 
 from dbcache._db import DBCache, DBCacheError
 from shardcache.errors import ShardcacheError
@@ -36,6 +43,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--size", type=int, required=True, help="number of samples to store")
     build.add_argument(
         "--proxy", metavar="URL", help="fetch the shards through a shardcache proxy at URL"
+    )
+    build.add_argument(
+        "--upstream",
+        metavar="URL|NAME=URL",
+        action="append",
+        default=[],
+        help="with --proxy: the proxy's --upstream values (repeatable), so that URL/<path> "
+        "is fetched as <proxy>/<path> (NAME=URL: <proxy>/NAME/<path>); without it the shards "
+        "are asked for in the proxy's absolute-URL form, served only for hosts named with "
+        "its --allow-host",
     )
     build.add_argument(
         "--codec",
@@ -78,30 +95,105 @@ def expand(urls: str) -> list[str]:
     return list(expand_urls(urls))
 
 
-def through_proxy(url: str, proxy: str) -> str:
-    """``url`` as fetched through the proxy at ``proxy``."""
+def through_proxy(url: str, proxy: str, upstreams: Sequence[str] = ()) -> str:
+    """``url`` as fetched through the proxy at ``proxy`` started with ``--upstream``
+    ``upstreams`` (none: the proxy's absolute-URL form)."""
+    from shardcache.urls import proxied
+
+    ups = list(upstreams) or None
     try:
-        from shardcache.urls import proxied
-    except ImportError:
-        return proxy.rstrip("/") + "/" + url
-    try:
-        return str(proxied(url, proxy))
+        return str(proxied(url, proxy, upstream=ups, absolute=ups is None))
     except ValueError as exc:
+        if ups is not None:
+            try:
+                proxied(url, proxy, upstream=ups, absolute=True)
+            except ValueError:
+                pass
+            else:  # only the upstreams were wrong
+                raise DBCacheError(
+                    f"{url} is under none of --upstream {', '.join(ups)}: give the proxy's "
+                    "own --upstream values (check both for a typo), or leave --upstream out "
+                    "to ask for the absolute-URL form (served only for hosts named with the "
+                    "proxy's --allow-host)"
+                ) from None
         raise DBCacheError(f"--proxy {proxy}: {exc}") from exc
 
 
-def tar_samples(urls: list[str]) -> Iterator[dict[str, Any]]:
-    """Samples of the tar shards at ``urls``, in order (errors raise)."""
+def _error_text(exc: urllib.error.HTTPError) -> str:
+    """The first line of an error response's body (the proxy says there what went wrong)."""
     try:
-        from shardcache.tariterators import tarfile_samples
-    except ImportError:
-        try:
-            from webdataset.tariterators import tarfile_samples
-        except ImportError as exc:
+        body = exc.read(4096)
+    except (OSError, http.client.HTTPException):
+        return ""
+    ctype = exc.headers.get("Content-Type", "") if exc.headers else ""
+    if ctype and not ctype.startswith(("text/", "application/json", "application/xml")):
+        return ""
+    lines = body.decode("utf-8", "replace").strip().splitlines()
+    return lines[0].strip()[:300] if lines else ""
+
+
+def open_shard(
+    url: str, timeout: float = 60.0, proxy: str | None = None, hint_403: str = ""
+) -> IO[bytes]:
+    """Open one shard for reading: http(s) here, so that an error answer's text is kept
+    (``HTTP 403 Forbidden: host h is not allowed (see --allow-host)``); everything else
+    with :func:`shardcache.gopen.gopen`. ``hint_403`` is added to a 403's message."""
+    from shardcache._version import __version__
+    from shardcache.gopen import HTTPStream, gopen
+
+    if urlsplit(url).scheme.lower() not in ("http", "https"):
+        return gopen(url, "rb")
+    request = urllib.request.Request(url, headers={"User-Agent": f"shardcache/{__version__}"})
+    try:
+        response = urllib.request.urlopen(request, timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        with exc:
+            text = _error_text(exc)
+        reason = f"HTTP {exc.code} {exc.reason or ''}".rstrip()
+        hint = hint_403 if exc.code == 403 else ""
+        raise DBCacheError(f"{url}: {reason}" + (f": {text}" if text else "") + hint) from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
+        cause = getattr(exc, "reason", exc)
+        if (
+            isinstance(cause, ConnectionRefusedError)
+            and proxy
+            and url.startswith(proxy.rstrip("/"))
+        ):
             raise DBCacheError(
-                "reading tar shards needs the shardcache tar pipeline or webdataset"
-            ) from exc
-    return _translated(tarfile_samples(iter([{"url": url} for url in urls])), urls)
+                f"no proxy answers at {proxy}: connection refused; start one with "
+                "`shardcache serve --upstream URL ...` or check --proxy"
+            ) from None
+        if isinstance(cause, (TimeoutError, socket.timeout)):
+            raise DBCacheError(f"{url}: no answer within {timeout:g} s") from None
+        text = (
+            cause.strerror
+            if isinstance(cause, OSError) and cause.strerror
+            else str(cause) or type(cause).__name__
+        )
+        raise DBCacheError(f"{url}: cannot connect: {text}") from None
+    return io.BufferedReader(HTTPStream(url, response, timeout), buffer_size=1 << 16)
+
+
+class ShardReader:
+    """The samples of the tar shards at ``urls``, in order (errors raise); ``opened``
+    counts the shards read so far (a build stops reading once the file is full)."""
+
+    def __init__(self, urls: list[str], proxy: str | None = None, hint_403: str = "") -> None:
+        self.urls = urls
+        self.proxy = proxy
+        self.hint_403 = hint_403
+        self.opened = 0
+
+    def _streams(self) -> Iterator[dict[str, Any]]:
+        for url in self.urls:
+            stream = open_shard(url, proxy=self.proxy, hint_403=self.hint_403)
+            self.opened += 1
+            yield {"url": url, "stream": stream}
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        from shardcache.tariterators import group_by_keys, tar_file_expander
+
+        return _translated(group_by_keys(tar_file_expander(self._streams())), self.urls)
 
 
 def _translated(samples: Iterable[dict[str, Any]], urls: list[str]) -> Iterator[dict[str, Any]]:
@@ -157,39 +249,87 @@ def _setup_logging(quiet: bool) -> None:
         )
 
 
+def _remove_db(db: str) -> None:
+    for path in (db, db + "-wal", db + "-shm", db + "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def build(
-    db: str, urls: Iterable[str], size: int, codec: str = "safe", progress: bool = True
-) -> int:
-    """Fill ``db`` with ``size`` samples from the shards at ``urls``; return the count held."""
-    cache = DBCache(db, size, verbose=False, codec=codec)
-    held = cache.count()
-    if held >= size:
-        log.info("%s: already full with %d samples", db, held)
-        return held
-    cache.source_(tar_samples(list(urls)))
-    bar = Progress(size, held, progress)
+    db: str,
+    urls: Iterable[str],
+    size: int,
+    codec: str = "safe",
+    progress: bool = True,
+    proxy: str | None = None,
+    hint_403: str = "",
+) -> tuple[int, int]:
+    """Fill ``db`` with ``size`` samples from the shards at ``urls``.
+
+    Returns (samples held, shards read). A build that fails before storing any sample
+    leaves no file behind, unless ``db`` existed before. ``proxy`` and ``hint_403`` make
+    the errors of a proxy say more.
+    """
+    existed = os.path.exists(db)
+    cache: DBCache | None = None
     try:
-        for _ in cache:
-            bar.update()
-    finally:
-        bar.close()
-    held = cache.count()
-    if held < size:
-        raise DBCacheError(
-            f"{db}: the shards hold only {held} distinct samples, fewer than --size {size}"
-        )
-    return held
+        cache = DBCache(db, size, verbose=False, codec=codec)
+        held = cache.count()
+        if held >= size:
+            log.info("%s: already full with %d samples", db, held)
+            return held, 0
+        reader = ShardReader(list(urls), proxy, hint_403)
+        cache.source_(reader)
+        bar = Progress(size, held, progress)
+        try:
+            for _ in cache:
+                bar.update()
+        finally:
+            bar.close()
+        held = cache.count()
+        if held < size:
+            raise DBCacheError(
+                f"{db}: the shards hold only {held} distinct samples, fewer than --size {size}"
+            )
+        return held, reader.opened
+    except BaseException:
+        empty = cache is None or _count_or_zero(cache) == 0
+        if cache is not None:
+            cache.close()
+        if not existed and empty:
+            _remove_db(db)
+        raise
+
+
+def _count_or_zero(cache: DBCache) -> int:
+    try:
+        return cache.count()
+    except (DBCacheError, sqlite3.Error):
+        return 0
 
 
 def cmd_build(args: argparse.Namespace) -> int:
     _setup_logging(args.quiet)
     if args.size < 1:
         raise DBCacheError(f"--size must be at least 1, got {args.size}")
+    if args.upstream and not args.proxy:
+        raise DBCacheError("--upstream needs --proxy (the proxy started with those upstreams)")
     urls = expand(args.urls)
     if args.proxy:
-        urls = [through_proxy(url, args.proxy) for url in urls]
-    held = build(args.db, urls, args.size, codec=args.codec, progress=not args.quiet)
-    log.info("%s: %d samples from %d shard(s)", args.db, held, len(urls))
+        urls = [through_proxy(url, args.proxy, args.upstream) for url in urls]
+    hint = ""
+    if args.proxy and not args.upstream:
+        hint = "; or give dbcache build the proxy's --upstream values with --upstream"
+    held, read = build(
+        args.db,
+        urls,
+        args.size,
+        codec=args.codec,
+        progress=not args.quiet,
+        proxy=args.proxy,
+        hint_403=hint,
+    )
+    log.info("%s: %d samples held, %d of %d shard(s) read", args.db, held, read, len(urls))
     return 0
 
 

@@ -150,3 +150,145 @@ def test_export_refuses_keys_a_tar_cannot_hold(tmp_path):
     res = run("export", db, str(tmp_path / "o.tar"))
     assert res.returncode == 1 and "'a.b'" in res.stderr
     assert not (tmp_path / "o.tar").exists() and not (tmp_path / "o.tar.part").exists()
+
+
+def test_build_reports_the_shards_it_read(tmp_path, serve, shards):
+    root, _ = shards
+    base, paths = serve(root)
+    db = str(tmp_path / "val.db")
+    res = run("build", db, base + "/val-{000..002}.tar", "--size", "15")
+    assert res.returncode == 0, res.stderr
+    assert "15 samples held, 2 of 3 shard(s) read" in res.stderr
+    assert paths == ["/val-000.tar", "/val-001.tar"]  # the third is never fetched
+    res = run("build", db, base + "/val-{000..002}.tar", "--size", "15")
+    assert res.returncode == 0 and "already full" in res.stderr
+    assert "15 samples held, 0 of 3 shard(s) read" in res.stderr
+
+
+def test_a_failed_build_leaves_no_empty_file_behind(tmp_path, serve, shards):
+    root, _ = shards
+    base, _ = serve(root)
+    db = tmp_path / "new.db"
+    res = run("build", str(db), base + "/missing.tar", "--size", "5", "--quiet")
+    assert res.returncode == 1 and "missing.tar: HTTP 404" in res.stderr
+    assert sorted(os.listdir(tmp_path)) == ["www"]  # no new.db, -wal or -shm
+    # a file that was there before stays, whatever the failure
+    DBCache(str(db), 5).close()
+    res = run("build", str(db), base + "/missing.tar", "--size", "5", "--quiet")
+    assert res.returncode == 1 and db.exists()
+    assert len(DBCache(str(db), 5)) == 0
+    # a partly filled new file stays too: the next build resumes it
+    part = tmp_path / "part.db"
+    res = run("build", str(part), base + "/val-{000..001}.tar", "--size", "25", "--quiet")
+    assert res.returncode == 1 and "only 20 distinct samples" in res.stderr
+    assert len(DBCache(str(part), 25)) == 20
+
+
+# -- through a real proxy ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def proxy_and_origin(tmp_path_factory):
+    """A real proxy (``shardcache serve --upstream val=ORIGIN``) in front of a real origin."""
+    from opshelpers import Origin, ProxyProcess, running
+
+    tmp = tmp_path_factory.mktemp("dbproxy")
+    files = {}
+    for k in range(3):
+        path = tmp / f"val-{k:03d}.tar"
+        write_shard(
+            path,
+            [{"__key__": f"s{k}-{i:03d}", "cls": str(i).encode()} for i in range(10)],
+        )
+        files[f"/data/val-{k:03d}.tar"] = path.read_bytes()
+    with Origin(files) as origin:
+        proxy = ProxyProcess(f"val={origin.url}/data", tmp / "cache")
+        with running(proxy):
+            yield proxy, origin
+
+
+def test_build_through_a_proxy_with_its_upstreams(tmp_path, proxy_and_origin):
+    proxy, origin = proxy_and_origin
+    db = str(tmp_path / "val.db")
+    pattern = f"{origin.url}/data/val-{{000..002}}.tar"
+    up = f"val={origin.url}/data"
+    res = run("build", db, pattern, "--size", "30", "--proxy", proxy.url, "--upstream", up)
+    assert res.returncode == 0, res.stderr
+    assert "30 samples held, 3 of 3 shard(s) read" in res.stderr
+    assert all(origin.gets[f"/data/val-{k:03d}.tar"] == 1 for k in range(3))
+    assert DBCache(db, 30).key_exists("s2-009")
+
+
+def test_build_through_a_proxy_shows_the_proxys_error_text(tmp_path, proxy_and_origin):
+    proxy, origin = proxy_and_origin
+    db = str(tmp_path / "val.db")
+    pattern = f"{origin.url}/data/val-000.tar"
+    # no --upstream: the absolute-URL form, which this proxy refuses (no --allow-host)
+    res = run("build", db, pattern, "--size", "5", "--proxy", proxy.url, "--quiet")
+    assert res.returncode == 1
+    assert "HTTP 403 Forbidden: host 127.0.0.1 is not allowed (see --allow-host)" in res.stderr
+    assert "--upstream" in res.stderr.splitlines()[-1]
+    # a path the upstream does not have: the proxy's 404 and its one line
+    res = run(
+        "build",
+        db,
+        f"{origin.url}/data/nope.tar",
+        "--size",
+        "5",
+        "--proxy",
+        proxy.url,
+        "--upstream",
+        f"val={origin.url}/data",
+        "--quiet",
+    )
+    assert res.returncode == 1
+    line = res.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"shardcache dbcache: error: {proxy.url}/val/nope.tar: HTTP 404")
+    assert len(line) > len(
+        f"shardcache dbcache: error: {proxy.url}/val/nope.tar: HTTP 404 Not Found"
+    )
+    assert not os.path.exists(db)
+
+
+def test_build_names_a_url_outside_the_upstreams(tmp_path, proxy_and_origin):
+    proxy, origin = proxy_and_origin
+    db = str(tmp_path / "val.db")
+    res = run(
+        "build",
+        db,
+        f"{origin.url}/dta/val-000.tar",
+        "--size",
+        "5",
+        "--proxy",
+        proxy.url,
+        "--upstream",
+        f"val={origin.url}/data",
+    )
+    assert res.returncode == 1
+    assert f"{origin.url}/dta/val-000.tar is under none of --upstream val={origin.url}/data" in (
+        res.stderr
+    )
+    assert not os.path.exists(db)
+    res = run("build", db, f"{origin.url}/data/val-000.tar", "--size", "5", "--upstream", "x")
+    assert res.returncode == 1 and "--upstream needs --proxy" in res.stderr
+
+
+def test_build_through_a_proxy_that_is_not_running(tmp_path):
+    from opshelpers import free_port
+
+    proxy = f"http://127.0.0.1:{free_port()}"
+    db = str(tmp_path / "val.db")
+    res = run(
+        "build",
+        db,
+        "https://data.example/d/val-000.tar",
+        "--size",
+        "5",
+        "--proxy",
+        proxy,
+        "--upstream",
+        "https://data.example/d",
+    )
+    assert res.returncode == 1
+    assert f"no proxy answers at {proxy}: connection refused" in res.stderr
+    assert "shardcache serve" in res.stderr and not os.path.exists(db)
