@@ -857,3 +857,32 @@ def test_e2e_admin_token(tmp_path, monkeypatch):
     finally:
         proxy.stop()
         origin.stop()
+
+
+@e2e
+@pytest.mark.parametrize("keep", [False, True])
+def test_e2e_cli_ctrl_c_deletes_the_plan_unless_keep(fresh, keep):
+    import signal
+
+    origin, proxy = fresh
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "shardcache", "plan", "/data/train-{000..002}.tar"]
+        + ["--proxy", proxy.url, "--watch", "--interval", "0.1"]
+        + (["--keep"] if keep else []),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert watcher.stdout is not None
+        plan_id = watcher.stdout.readline().strip()  # registered
+        assert watcher.stdout.readline().startswith("0/3 shards read")  # watching
+        watcher.send_signal(signal.SIGINT)
+        out, err = watcher.communicate(timeout=30)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()
+    assert watcher.returncode == 130, err
+    assert [p["id"] for p in list_plans(proxy.url)] == ([plan_id] if keep else [])

@@ -178,24 +178,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise _unreachable(proxy, exc) from exc
     if not args.pattern:
         args.parser.error("PATTERN is required (or use --list or --delete ID)")
+    watch = args.watch if args.watch is not None else sys.stdout.isatty()
     try:
         plan = Plan(args.pattern, proxy, args.name, _lookahead(args.lookahead))
     except PlanError as exc:
         raise _unreachable(proxy, exc) from exc
     except ValueError as exc:
         raise ToolError(str(exc)) from exc
-    print(plan.id, flush=True)
-    watch = args.watch if args.watch is not None else sys.stdout.isatty()
-    if not watch:
-        return 0
     try:
-        rc = _watch(plan, args.interval, sys.stdout)
+        print(plan.id, flush=True)
+        return _watch(plan, args.interval, sys.stdout) if watch else 0
     except KeyboardInterrupt:
-        rc = 130
+        return 130
     finally:
-        if not args.keep:
+        if watch and not args.keep:
             plan.close()
-    return rc
 
 
 def _list(proxy: str, as_json: bool) -> int:
