@@ -124,6 +124,8 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
         self.select_files = select_files
         self.rename_files = rename_files
         self.verbose = verbose
+        if plan_name is not None and len(plan_name) > 150:
+            raise ValueError("ShardDataset: plan_name longer than 150 characters")
         self.plan_name = plan_name
         self.plan_lookahead = plan_lookahead
         self.plan_required = plan is True

@@ -477,6 +477,11 @@ def test_dataset_plan_true_needs_urls_on_one_proxy(tmp_path):
         ShardDataset(["http://a:1/x.tar", "http://b:1/y.tar"], plan=True)
 
 
+def test_dataset_plan_name_leaves_room_for_the_worker(stub):
+    with pytest.raises(ValueError, match="plan_name"):
+        ShardDataset(f"{stub.url}/data/train-000.tar", plan=True, plan_name="x" * 151)
+
+
 def test_dataset_with_a_bad_shardcache_proxy_does_not_plan(stub, monkeypatch):
     monkeypatch.setenv("SHARDCACHE_PROXY", "ftp://nowhere")
     assert len(list(ShardDataset(f"{stub.url}/data/train-000.tar"))) == 3
