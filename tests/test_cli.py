@@ -35,3 +35,65 @@ def test_every_subcommand_help_renders():
         assert res.returncode == 0, (command, res.stderr)
         assert f"usage: shardcache {command}" in res.stdout
     assert "(10%)" in run_cli("serve", "--help").stdout
+
+
+def test_a_mistyped_command_names_the_closest_one():
+    res = run_cli("prefech", "/d/a-{0..1}.tar")
+    assert res.returncode == 2
+    assert res.stderr.startswith("usage: shardcache [-h] [--version] COMMAND ...")
+    assert "unknown command 'prefech'; did you mean 'prefetch'?" in res.stderr
+    res = run_cli("dbcache", "biuld", "x.db", "u", "--size", "1")
+    assert res.returncode == 2 and "did you mean 'build'?" in res.stderr
+    res = run_cli("frobnicate")
+    assert res.returncode == 2
+    assert "unknown command 'frobnicate' (choose from serve, check," in res.stderr
+
+
+def test_check_reports_stray_files_and_leaves_them(tmp_path):
+    from shardcache.store import Store
+
+    cache = tmp_path / "cache"
+    with Store(cache, cache_size=10**9) as store:
+        partial = store.begin("http://h/a.tar", 3)
+        with open(partial.path, "wb") as f:
+            f.write(b"abc")
+        store.commit(partial, 3)
+    (cache / "notes.txt").write_text("mine\n")
+    (cache / "backup").mkdir()
+    (cache / "shard-000.tar").write_bytes(b"x" * 10)
+    (cache / "0123.tmp.part").write_bytes(b"")  # work files are the store's business
+    (cache / "0123.del").write_bytes(b"")
+    res = run_cli("check", "--cache-dir", str(cache))
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == f"cache {cache}: 1 entries, 3 bytes"
+    strays = [line for line in lines if line.startswith("stray: ")]
+    assert strays == [
+        "stray: backup (a directory): not a cache file; left alone, outside --cache-size",
+        "stray: notes.txt (5 bytes): not a cache file; left alone, outside --cache-size",
+        "stray: shard-000.tar (10 bytes): not a cache file; left alone, outside --cache-size",
+    ]
+    assert lines[-1] == f"3 stray name(s) in {cache}"
+    # --fix repairs the store, never removes what is not the cache's
+    res = run_cli("check", "--cache-dir", str(cache), "--fix")
+    assert (cache / "notes.txt").exists() and (cache / "shard-000.tar").exists()
+    assert "stray: notes.txt" in res.stdout
+
+
+def test_stray_names_are_what_the_store_never_makes():
+    from shardcache.cli.check import stray_names
+    from shardcache.urls import shard_uuid
+
+    key = shard_uuid("http://h/a.tar")
+    ours = [
+        key,
+        f"{key}.123.abcdef.part",
+        f"{key}.abcdef.del",
+        ".shardcache.sqlite",
+        ".shardcache.sqlite-wal",
+        ".shardcache.sqlite-shm",
+        ".probe.12.ab",
+    ]
+    assert stray_names(ours) == []
+    others = ["a.tar", key.upper(), key + ".tar", ".shardcache.sqlite.bak", "lost+found"]
+    assert stray_names(others + ours) == sorted(others)

@@ -8,6 +8,7 @@ sets ``func`` (taking the parsed ``argparse.Namespace`` and returning an exit co
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import sys
@@ -19,6 +20,7 @@ from shardcache.errors import ShardcacheError
 # Modules that contribute subcommands, in the order they appear in --help.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "proxy.cli",  # serve, check
+    "shardcache.cli.check",  # check: also the stray files of a cache directory
     "shardcache.cli.demo",  # demo
     "dbcache.cli",  # dbcache build|info|export
     "shardcache.cli.prefetch",  # prefetch
@@ -29,8 +31,31 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 log = logging.getLogger("shardcache")
 
 
+def closest_command(word: str, commands: Sequence[str]) -> str:
+    """What to say about ``word``, which names none of ``commands``: the closest one
+    (``prefech`` → ``did you mean 'prefetch'?``), else the list."""
+    close = difflib.get_close_matches(word, list(commands), n=1, cutoff=0.6)
+    if close:
+        return f"unknown command {word!r}; did you mean {close[0]!r}?"
+    return f"unknown command {word!r} (choose from {', '.join(commands)})"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose subcommand errors name the closest subcommand; the
+    subparsers it makes are of this class too."""
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        if (
+            isinstance(action, argparse._SubParsersAction)
+            and isinstance(value, str)
+            and value not in action.choices
+        ):
+            raise argparse.ArgumentError(action, closest_command(value, list(action.choices)))
+        super()._check_value(action, value)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="shardcache",
         description="A shard cache and caching proxy for WebDataset-style tar shards.",
     )

@@ -1,0 +1,88 @@
+"""``shardcache check`` also lists stray files: names in the cache directory that the
+store did not make (not an entry, the index or a download or eviction in progress).
+
+The store's own check reconciles its index with its files and ignores every other name,
+so a file copied into the cache directory by hand (or a second tool writing there) takes
+disk space that ``--cache-size`` never counts. They are reported, never removed: they are
+not the cache's to delete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import uuid
+from collections.abc import Callable, Iterable
+
+from shardcache.store import DEL_SUFFIX, INDEX_NAME, PART_SUFFIX
+
+# the index and SQLite's files beside it
+INDEX_FILES = frozenset(INDEX_NAME + suffix for suffix in ("", "-wal", "-shm", "-journal"))
+# work files: downloads in progress, evicted entries waiting to be unlinked, the
+# writability probe of a starting proxy
+WORK_SUFFIXES = (PART_SUFFIX, DEL_SUFFIX)
+WORK_PREFIXES = (".probe.",)
+
+
+def is_entry_name(name: str) -> bool:
+    """Whether ``name`` is an entry's name: a canonical UUID, as ``shard_uuid`` makes."""
+    try:
+        return str(uuid.UUID(name)) == name
+    except ValueError:
+        return False
+
+
+def is_cache_name(name: str) -> bool:
+    """Whether the store may have made a file called ``name``."""
+    return (
+        name in INDEX_FILES
+        or is_entry_name(name)
+        or name.endswith(WORK_SUFFIXES)
+        or name.startswith(WORK_PREFIXES)
+    )
+
+
+def stray_names(names: Iterable[str]) -> list[str]:
+    """The names, sorted, that are not the store's (pure: no I/O)."""
+    return sorted(name for name in names if not is_cache_name(name))
+
+
+def stray_files(cache_dir: str | os.PathLike[str]) -> list[tuple[str, int | None]]:
+    """``(name, bytes)`` of each stray in ``cache_dir``; bytes is None for a directory
+    (or a name gone since the listing)."""
+    out: list[tuple[str, int | None]] = []
+    with os.scandir(cache_dir) as it:
+        found = {e.name: e for e in it}
+    for name in stray_names(found):
+        entry = found[name]
+        try:
+            size = None if entry.is_dir(follow_symlinks=False) else entry.stat().st_size
+        except OSError:
+            size = None
+        out.append((name, size))
+    return out
+
+
+def cmd_check(store_check: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """The store's check, then the stray files (reported; the exit status is the store's)."""
+    status = store_check(args)
+    strays = stray_files(args.cache_dir)
+    for name, size in strays:
+        what = "a directory" if size is None else f"{size} bytes"
+        print(f"stray: {name} ({what}): not a cache file; left alone, outside --cache-size")
+    if strays:
+        print(f"{len(strays)} stray name(s) in {args.cache_dir}")
+    return status
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Extend the ``check`` subcommand (registered with ``serve``) with the stray files."""
+    parser = subparsers.choices.get("check")
+    if parser is None:
+        return
+    store_check = parser.get_default("func")
+    parser.set_defaults(func=functools.partial(cmd_check, store_check))
+    parser.description = (parser.description or "").rstrip() + (
+        " Also lists stray files: names in the directory that are not the cache's (left alone)."
+    )
