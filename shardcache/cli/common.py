@@ -203,6 +203,39 @@ def _resolve_proxy(arg: str | None) -> str:
     return proxy.rstrip("/")
 
 
+def no_proxy_error(proxy: str, exc: BaseException) -> ToolError:
+    """The one message for a proxy that does not answer at all (nothing listening, no
+    such host, no route), the same from every tool."""
+    cause: object = getattr(exc, "reason", exc)
+    if isinstance(cause, ConnectionRefusedError):
+        why = "connection refused"
+    elif isinstance(cause, TimeoutError):
+        why = "timed out"
+    elif isinstance(cause, OSError) and cause.strerror:
+        why = cause.strerror[:1].lower() + cause.strerror[1:]
+    else:
+        why = str(cause) or type(cause).__name__
+    return ToolError(
+        f"no proxy answers at {proxy}: {why}; start one with `shardcache serve --upstream URL "
+        f"...`, or give its address with --proxy or {PROXY_ENV}"
+    )
+
+
+def probe_proxy(proxy: str, timeout: float = 10.0) -> None:
+    """Raise :func:`no_proxy_error` unless something answers HTTP at ``proxy`` (any status:
+    a proxy that is shutting down or refuses the probe still answers)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{proxy}/-/healthz", timeout=timeout):
+            pass
+    except urllib.error.HTTPError:
+        return
+    except (urllib.error.URLError, OSError) as exc:
+        raise no_proxy_error(proxy, exc) from exc
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)

@@ -27,6 +27,7 @@ from shardcache.cli.common import (
     human_bytes,
     human_duration,
     print_table,
+    probe_proxy,
     proxy_url,
 )
 from shardcache.errors import ShardcacheError
@@ -193,6 +194,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
     proxy = _resolve_proxy(args.proxy)
     items = _expand(args.pattern)
     urls = [proxy_url(proxy, item) for item in items]
+    probe_proxy(proxy)  # one clear error instead of one per shard
     err = sys.stderr
     console = None if args.quiet else _rich_console(err)
     t0 = time.monotonic()

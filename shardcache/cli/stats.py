@@ -18,6 +18,7 @@ from shardcache.cli.common import (
     format_stat,
     format_time,
     human_bytes,
+    no_proxy_error,
     print_table,
 )
 
@@ -36,8 +37,7 @@ def fetch_stats(proxy: str, timeout: float = 10.0) -> dict[str, Any]:
     except urllib.error.HTTPError as exc:
         raise ToolError(f"{url}: HTTP {exc.code} {exc.reason}") from exc
     except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise ToolError(f"{url}: cannot reach the proxy ({reason})") from exc
+        raise no_proxy_error(proxy, exc) from exc
     try:
         data = json.loads(body)
     except ValueError as exc:
