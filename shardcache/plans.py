@@ -17,6 +17,7 @@ variable is set (the proxy's ``--admin-token``). The proxy address defaults to
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -115,21 +116,16 @@ def _request(
     except urllib.error.HTTPError as exc:
         try:
             text = _error_text(exc.read())
-        except OSError:
+        except (OSError, http.client.HTTPException):
             text = ""
         finally:
             exc.close()
         detail = f"HTTP {exc.code}: {text}" if text else f"HTTP {exc.code} {exc.reason}"
         raise PlanError(url, detail, exc.code) from exc
     except urllib.error.URLError as exc:
-        reason = exc.reason
-        cause = (
-            str(reason)
-            if not isinstance(reason, BaseException)
-            else (str(reason) or type(reason).__name__)
-        )
+        cause = str(exc.reason) or type(exc.reason).__name__
         raise PlanError(url, f"cannot reach the proxy ({cause})") from exc
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, http.client.HTTPException) as exc:
         raise PlanError(url, f"request failed ({type(exc).__name__}: {exc})") from exc
     if not raw:
         return status, None

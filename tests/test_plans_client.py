@@ -306,6 +306,40 @@ def test_unreachable_proxy_raises_plan_error():
     assert info.value.status is None
 
 
+def _one_answer(raw: bytes) -> tuple[str, threading.Thread]:
+    """A server on 127.0.0.1 that answers one connection with ``raw`` and closes it."""
+    import socket
+
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with srv:
+            conn, _ = srv.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(raw)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return f"http://127.0.0.1:{srv.getsockname()[1]}", t
+
+
+@pytest.mark.parametrize(
+    "raw, text",
+    [
+        (b"garbage\r\n\r\n", "request failed"),
+        (b"", "request failed"),
+        (b"HTTP/1.1 201 Created\r\nContent-Length: 5\r\n\r\nhello", "not JSON"),
+        (b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\n{}", "no plan id"),
+    ],
+)
+def test_a_proxy_answering_nonsense_raises_plan_error(raw, text):
+    url, t = _one_answer(raw)
+    with pytest.raises(PlanError, match=text):
+        shardcache.plan(["/a.tar"], url)
+    t.join(5)
+
+
 def test_plan_error_pickles():
     import pickle
 
