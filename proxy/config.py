@@ -286,10 +286,6 @@ def _hosts(values: list[str]) -> tuple[str, ...]:
     return tuple(h.lower() for h in values)
 
 
-def _size(text: str) -> int:
-    return parse_size(text)
-
-
 def _min_free_default() -> str:
     return f"{DEFAULT_MIN_FREE_FRACTION * 100:g}%, at most {_show_size(DEFAULT_MIN_FREE_CAP)}"
 
@@ -322,7 +318,7 @@ SETTINGS: tuple[Setting, ...] = (
         "cache_size",
         100 * 1000**3,
         "bound on cached bytes, e.g. 500G (G = 10^9 bytes), 1.5T, 10GiB (GiB = 2^30 bytes)",
-        _size,
+        parse_size,
         minimum=1,
         show=_show_size,
     ),
@@ -399,7 +395,7 @@ SETTINGS: tuple[Setting, ...] = (
         "part_size",
         8 * 1024 * 1024,
         "ranged part size for large objects, e.g. 8MiB; 0 disables",
-        _size,
+        parse_size,
         show=_show_size,
     ),
     Setting("parallel", 8, "concurrent ranged parts per object", _int, minimum=1),
