@@ -676,7 +676,7 @@ def test_cli_without_a_running_proxy_says_so_in_one_line(args):
     assert res.returncode == 1
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1, res.stderr
-    assert f"no proxy answering at {url}" in lines[0] and "shardcache serve" in lines[0]
+    assert f"no proxy answers at {url}" in lines[0] and "shardcache serve" in lines[0]
     assert res.stdout == ""
 
 

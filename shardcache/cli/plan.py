@@ -20,6 +20,7 @@ from shardcache.cli.common import (
     _resolve_proxy,
     _rich_console,
     human_bytes,
+    no_proxy_error,
     print_table,
 )
 from shardcache.plans import Plan, PlanError, delete_plan, list_plans
@@ -85,12 +86,16 @@ def is_done(status: Mapping[str, Any]) -> bool:
 
 
 def _unreachable(proxy: str, exc: PlanError) -> ToolError:
-    """A proxy that does not answer gets one clear line; other errors keep theirs."""
-    if exc.status is None:
-        return ToolError(
-            f"no proxy answering at {proxy}: {exc.message}; start one with 'shardcache serve' "
-            "or point --proxy (or SHARDCACHE_PROXY) at it"
-        )
+    """A proxy that does not answer gets the tools' one message; other errors keep theirs."""
+    import urllib.error
+
+    cause = exc.__cause__
+    if (
+        exc.status is None
+        and isinstance(cause, urllib.error.URLError)
+        and not isinstance(cause, urllib.error.HTTPError)
+    ):
+        return no_proxy_error(proxy, cause)
     return ToolError(str(exc))
 
 
