@@ -1,17 +1,18 @@
 # The two commands that work on a fresh machine: `make demo` and `make test`.
 PYTHON ?= python3
 VENV := .venv
-# A CPU build of torch shipped on the machine, if any: the DataLoader tests use it
-# (they skip with a message without torch).
-TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-*+cpu-cp311-*.whl))
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-# The heavy S3 clients (s3torchconnector, mosaicml-streaming, litdata) get a venv of their
-# own: they need torchvision, which PyPI builds against PyPI's (CUDA) torch only, and
-# would replace the CPU torch of $(VENV).
+# torch is an optional extra (`.[torch]`, from PyPI, whose build brings some 4 GiB of CUDA
+# libraries): `make test` leaves it out and the torch DataLoader tests skip with a message.
+# `make test TORCH=1` (or `make test-torch`, the DataLoader tests alone) installs it into
+# $(VENV); `make test-clients` runs them in $(CLIENTS_VENV), which has torch anyway.
+TORCH ?=
+# The heavy S3 clients (s3torchconnector, mosaicml-streaming, litdata) and torch get a
+# venv of their own, kept apart from the light $(VENV).
 CLIENTS_VENV := .venv-clients
 
-.PHONY: demo test test-clients lint bench clean
+.PHONY: demo test test-torch test-clients lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,27 +22,34 @@ $(VENV)/.installed: pyproject.toml
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(PIP) install --quiet -e '.[test]'
-	@if [ -n "$(TORCH_WHEEL)" ]; then \
-	  $(PIP) install --quiet "$(TORCH_WHEEL)" || echo "torch wheel not installable here: torch tests skip"; \
-	fi
+	touch $@
+
+$(VENV)/.installed-torch: $(VENV)/.installed-test pyproject.toml
+	$(PIP) install --quiet -e '.[test,torch]'
 	touch $@
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/shardcache demo
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test $(if $(TORCH),$(VENV)/.installed-torch)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider -m "not clients"
+
+# The torch DataLoader tests, with torch installed into $(VENV) from PyPI.
+test-torch: $(VENV)/.installed-torch
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_dataloader.py tests/test_dataset.py
 
 $(CLIENTS_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(CLIENTS_VENV)
 	$(CLIENTS_VENV)/bin/pip install --quiet --upgrade pip
-	$(CLIENTS_VENV)/bin/pip install --quiet -e '.[test,clients]'
+	$(CLIENTS_VENV)/bin/pip install --quiet -e '.[test,clients,torch]'
 	touch $@
 
-# Real third-party S3 clients through the S3 front, the heavy ones (tests marked `clients`).
+# Real third-party S3 clients through the S3 front, the heavy ones (tests marked `clients`),
+# and the torch DataLoader tests (marked `torch`), since this venv has torch.
 test-clients: $(CLIENTS_VENV)/.installed
-	$(CLIENTS_VENV)/bin/python -m pytest -q -p no:cacheprovider -m clients tests/s3
+	$(CLIENTS_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "clients or torch" \
+	  tests/s3 tests/test_dataloader.py
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
