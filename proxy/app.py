@@ -24,6 +24,7 @@ from proxy.config import Settings
 from proxy.hits import HitTier
 from proxy.inflight import Download, DownloadFailed, Inflight, State
 from proxy.metrics import ProxyMetrics
+from proxy.plans import PLAN_HEADER, Plans, Scheduler
 from proxy.policy import (
     ByteRange,
     conditional_status,
@@ -75,6 +76,8 @@ INFLIGHT = web.AppKey("inflight", Inflight)
 RUNTIME = web.AppKey("runtime", dict)
 HEALTH = web.AppKey("health", StoreHealth)
 HITS = web.AppKey("hits", HitTier)
+PLANS = web.AppKey("plans", Plans)
+SCHEDULER = web.AppKey("scheduler", Scheduler)
 S3_CLIENT = web.AppKey("s3_client", object)
 
 _RequestKey = getattr(web, "RequestKey", None)  # aiohttp >= 3.12
@@ -88,6 +91,9 @@ T_START = _rkey("start", float)
 T_BYTES = _rkey("bytes", int)
 T_RESP = _rkey("resp", web.StreamResponse)
 T_ABORTED = _rkey("aborted", bool)
+T_WAIT = _rkey("wait", float)  # seconds this request waited for bytes not yet downloaded
+T_PLANS = _rkey("plans", list)  # the read plans this request advanced
+T_READY = _rkey("ready", str)  # what a planned request found: hit, downloading, miss
 
 ADMIN_ROUTES = {
     "/metrics": "GET, HEAD",
@@ -95,6 +101,7 @@ ADMIN_ROUTES = {
     "/-/readyz": "GET, HEAD",
     "/-/stats": "GET, HEAD",
     "/-/prefetch": "POST",
+    "/-/plans": "GET, HEAD, POST",
     "/-/cache": "DELETE",
 }
 MAX_PREFETCH = 100_000
@@ -131,7 +138,8 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
     )
     if not settings.admin_token and not loopback_only(settings.host):
         log.warning(
-            "listening on %s without --admin-token: POST /-/prefetch and DELETE /-/cache "
+            "listening on %s without --admin-token: POST /-/prefetch, /-/plans and DELETE "
+            "/-/cache "
             "answer 403 until a token is set (env SHARDCACHE_ADMIN_TOKEN)",
             settings.host,
         )
@@ -140,7 +148,7 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
     app[S3_CLIENT] = s3
     app[SETTINGS] = settings
     app[METRICS] = ProxyMetrics()
-    app[RUNTIME] = {"ready": False, "prefetch": set(), "sendfile": sendfile}
+    app[RUNTIME] = {"ready": False, "sendfile": sendfile}
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_on_shutdown)
     prom = make_aiohttp_handler(app[METRICS].exposed, disable_compression=True)
@@ -155,6 +163,10 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
     r.add_get("/-/readyz", _readyz)
     r.add_get("/-/stats", _stats)
     r.add_post("/-/prefetch", _prefetch)
+    r.add_get("/-/plans", _plans_list)
+    r.add_post("/-/plans", _plans_add)
+    r.add_get("/-/plans/{id}", _plans_get)
+    r.add_delete("/-/plans/{id}", _plans_delete)
     r.add_delete("/-/cache", _purge)
     r.add_route("*", "/{tail:.*}", _shard)
     return app
@@ -213,7 +225,26 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     app[HITS] = HitTier(store, max_bytes=RAM_TIER_BYTES // s.workers)
     app[INFLIGHT] = Inflight(store, fetcher, m, cache_size=store.cache_size, health=health)
     app[RUNTIME]["revalidating"] = {}
-    background = asyncio.get_running_loop().create_task(health.run(), name="store health")
+    plans = Plans(
+        store,
+        m,
+        ttl=s.plan_ttl,
+        default_lookahead=s.plan_lookahead,
+        max_plans=s.max_plans,
+        max_shards=s.max_plan_shards,
+    )
+    store.planner = plans.planner
+    app[PLANS] = plans
+
+    async def start(url: str, reason: str) -> Download | None:
+        return await _background(app, url, reason)
+
+    app[SCHEDULER] = Scheduler(
+        plans, store, app[INFLIGHT], m, concurrency=s.prefetch_concurrency, start=start
+    )
+    loop = asyncio.get_running_loop()
+    background = loop.create_task(health.run(), name="store health")
+    scheduling = loop.create_task(app[SCHEDULER].run(), name="background downloads")
     app[RUNTIME]["ready"] = True
     log.info(
         "cache %s: limit %d bytes, %d kept free, policy %s, revalidate %s; upstreams: %s",
@@ -231,11 +262,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     finally:
         app[RUNTIME]["ready"] = False
         app[RUNTIME]["not_ready"] = "shutting down: downloads are finishing"
-        background.cancel()
-        tasks = [background, *app[RUNTIME]["prefetch"]]
+        tasks = [background, scheduling]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        store.planner = None
         # downloads get up to the grace period (at most 10 s) to verify and commit
         await app[INFLIGHT].stop(finish_within=min(s.grace_period, 10.0))
         await fetcher.close()
@@ -305,6 +336,7 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
             request.app[METRICS].observe_service(route, status)
         else:
             request.app[METRICS].observe_request(cache, status, nbytes)
+            _account_wait(request, nbytes)
         access_log.log(
             logging.DEBUG if route in PROBES and status < 400 else logging.INFO,
             '%s "%s %s" %d %s %d %.3fs%s',
@@ -320,6 +352,28 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
 
 
 PROBES = frozenset({"healthz", "readyz", "metrics"})  # logged at DEBUG when they pass
+
+
+def _waited(request: web.Request, since: float) -> None:
+    """Count the time since ``since`` as this request waiting for upstream bytes."""
+    request[T_WAIT] = request.get(T_WAIT, 0.0) + (time.monotonic() - since)
+
+
+def _account_wait(request: web.Request, nbytes: int) -> None:
+    """At the end of a data request: its stall and its read plans' progress."""
+    m = request.app[METRICS]
+    wait = request.get(T_WAIT, 0.0)
+    if wait:
+        m.client_wait.inc(wait)
+    plans = request.get(T_PLANS)
+    if not plans:
+        return
+    ready = request.get(T_READY, "miss")
+    m.plan_requests.labels(ready=ready).inc()
+    now = time.monotonic()
+    for plan in plans:
+        plan.wait_seconds += wait
+        plan.note_read(nbytes, now, hit=ready == "hit")
 
 
 def _service_route(request: web.Request) -> str | None:
@@ -368,10 +422,17 @@ async def _shard(request: web.Request) -> web.StreamResponse:
         )
     store = request.app[STORE]
     inflight = request.app[INFLIGHT]
+    plans = request.app[PLANS]
+    if len(plans):
+        matched = plans.on_request(url, request.headers.get(PLAN_HEADER))
+        if matched:
+            request[T_PLANS] = matched
     for _ in range(3):
         dl = inflight.get(url)
         cache = "COALESCED"
+        request[T_READY] = "downloading"
         if dl is None:
+            request[T_READY] = "hit"
             try:
                 entry = store.lookup(url)
             except CacheError as exc:  # the index cannot be read: answer from the upstream
@@ -389,6 +450,7 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                 await asyncio.to_thread(store.get, url, touch=False)
                 store.forget(entry.key)
                 continue
+            request[T_READY] = "miss"
             if not request.app[HEALTH].writable:
                 return await _serve_bypass(request, url)
             resp = await _serve_cold(request, url)
@@ -421,6 +483,7 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                 dl.hold_claim()
         if dl.verified:
             cache = "HIT"  # every byte is local already; only the commit is pending
+            request[T_READY] = "hit"
         try:
             return await _serve_download(request, dl, cache)
         finally:
@@ -711,7 +774,12 @@ async def _send_file(
 
 
 async def _serve_download(request: web.Request, dl: Download, cache: str) -> web.StreamResponse:
-    await dl.wait_headers()
+    if dl.state is State.OPENING:
+        since = time.monotonic()
+        try:
+            await dl.wait_headers()
+        finally:
+            _waited(request, since)
     if dl.state is State.BYPASS:
         return await _serve_bypass(request, dl.url, dl)
     meta = dl.meta
@@ -751,7 +819,14 @@ async def _serve_download(request: web.Request, dl: Download, cache: str) -> web
     # a chunked response (size unknown) needs the writer's framing, so it gets write()
     framed = resp.content_length is None
     try:
-        await dl.stream(write, start, end, first_byte, send=None if framed else send)
+        await dl.stream(
+            write,
+            start,
+            end,
+            first_byte,
+            send=None if framed else send,
+            on_wait=lambda since: _waited(request, since),
+        )
     except DownloadFailed as exc:
         log.warning("aborting %s %s: %s", request.method, request.raw_path, exc)
         _abort_client(request)
@@ -768,7 +843,13 @@ async def _serve_bypass(
     fetcher = request.app[FETCHER]
     body: UpstreamBody | None = None
     if request.method == "GET" or dl is None:
-        body = (dl.take_bypass_body() if dl is not None else None) or await fetcher.open(url)
+        body = dl.take_bypass_body() if dl is not None else None
+        if body is None:
+            since = time.monotonic()
+            try:
+                body = await fetcher.open(url)
+            finally:
+                _waited(request, since)
     try:
         meta: ObjectMeta = body.meta if body is not None else dl.meta  # type: ignore[union-attr]
         extra = {"Cache-Control": meta.cache_control} if meta.cache_control else None
@@ -800,8 +881,16 @@ async def _send_chunks(
     stream fails, so a cut body never looks like a clean end."""
     pos = 0
     first = True
+    it = aiter(chunks)
     try:
-        async for chunk in chunks:
+        while True:
+            since = time.monotonic()
+            try:
+                chunk = await anext(it)
+            except StopAsyncIteration:
+                break
+            finally:
+                _waited(request, since)
             a, b = pos, pos + len(chunk)
             pos = b
             if b <= lo:
@@ -864,12 +953,15 @@ async def _serve_cold(request: web.Request, url: str) -> web.StreamResponse | No
     the download of the whole object starting meanwhile. None: the caller starts (or
     joins) the download as usual."""
     if request.method == "HEAD":
+        since = time.monotonic()
         try:
             meta = await request.app[FETCHER].head(url)
         except (UpstreamError, ProxyError) as exc:
             if exc.status_hint in (405, 501):
                 return None  # an origin without HEAD: the download answers
             raise
+        finally:
+            _waited(request, since)
         return await _answer_head(request, meta, "MISS")
     header = request.headers.get("Range")
     if request.method != "GET" or header is None:
@@ -879,7 +971,11 @@ async def _serve_cold(request: web.Request, url: str) -> web.StreamResponse | No
     start = _range_start(header)
     if start is None or 0 <= start < DIRECT_RANGE_AHEAD:
         return None
-    answer = await request.app[FETCHER].open_range(url, header)
+    since = time.monotonic()
+    try:
+        answer = await request.app[FETCHER].open_range(url, header)
+    finally:
+        _waited(request, since)
     try:
         meta = answer.meta
         if should_admit(meta.size, request.app[INFLIGHT].cache_size):
@@ -910,23 +1006,36 @@ async def _answer_head(request: web.Request, meta: ObjectMeta, cache: str) -> we
 async def _start_background(request: web.Request, url: str) -> None:
     """Start downloading ``url`` for the cache (no client follows it), once per object
     across the workers of this port."""
-    inflight = request.app[INFLIGHT]
-    if inflight.running(url):
-        return
+    dl = await _background(request.app, url, "demand", forwarded=_forwarded(request))
+    if dl is not None:
+        dl.release()
+
+
+async def _background(
+    app: web.Application, url: str, reason: str, *, forwarded: bool = False
+) -> Download | None:
+    """Start downloading ``url`` for the cache, no client following it, once per object
+    across the workers of this port; the download (acquired for the caller), or None
+    when it runs already, is cached, or the store takes no writes."""
+    inflight = app[INFLIGHT]
+    if inflight.running(url) or not app[HEALTH].writable:
+        return None
     claimed = False
-    if request.app[SETTINGS].workers > 1 and not _forwarded(request):
-        store = request.app[STORE]
+    if app[SETTINGS].workers > 1 and not forwarded:
         try:
             state, _ = await asyncio.to_thread(
-                store.claim, url, request.app[RUNTIME].get("internal_port")
+                app[STORE].claim, url, app[RUNTIME].get("internal_port")
             )
         except CacheError:
-            return
+            return None
         if state != "mine":
-            return
+            return None
         claimed = True
-    if not inflight.running(url):
-        inflight.start(url, claimed=claimed).release()
+    if inflight.running(url):
+        return None
+    dl = inflight.start(url, claimed=claimed)
+    dl.reason = reason
+    return dl
 
 
 # ---------------------------------------------------------------------------------------
@@ -1070,36 +1179,87 @@ async def _prefetch(request: web.Request) -> web.Response:
     todo = await asyncio.to_thread(
         lambda: [u for u in dict.fromkeys(urls) if store.get(u, touch=False) is None]
     )
-    task = asyncio.get_running_loop().create_task(_run_prefetch(app, todo))
-    app[RUNTIME]["prefetch"].add(task)
-    task.add_done_callback(app[RUNTIME]["prefetch"].discard)
+    app[SCHEDULER].prefetch(todo)
     return web.json_response({"accepted": len(urls)}, status=202)
 
 
-async def _run_prefetch(app: web.Application, urls: list[str]) -> None:
-    store, inflight = app[STORE], app[INFLIGHT]
-    queue = iter(dict.fromkeys(urls))
-    done = {"ok": 0, "failed": 0}
+# ---------------------------------------------------------------------------------------
+# read plans
 
-    async def worker() -> None:
-        for url in queue:
-            dl = inflight.get(url)
-            if dl is None:
-                if await asyncio.to_thread(store.get, url, touch=False) is not None:
-                    continue
-                dl = inflight.get(url) or inflight.start(url)
-            try:
-                await dl.wait_finished()
-                body = dl.take_bypass_body()
-                if body is not None:
-                    body.close()
-                done["ok" if dl.state is State.DONE else "failed"] += 1
-            finally:
-                dl.release()
 
-    n = app[SETTINGS].prefetch_concurrency
-    await asyncio.gather(*(worker() for _ in range(n)))
-    log.info("prefetch finished: %d downloaded, %d failed", done["ok"], done["failed"])
+def _plans_here(request: web.Request) -> Plans:
+    workers = request.app[SETTINGS].workers
+    if workers > 1:
+        raise ProxyError(
+            f"read plans need one proxy process; this one runs {workers} workers (--workers 1)",
+            status_hint=501,
+        )
+    return request.app[PLANS]
+
+
+async def _plans_list(request: web.Request) -> web.Response:
+    plans = _plans_here(request)
+    now = time.monotonic()
+    return web.json_response({"plans": [p.status(now) for p in plans]})
+
+
+async def _plans_get(request: web.Request) -> web.Response:
+    plan = _plans_here(request).get(request.match_info["id"])
+    return web.json_response(plan.status(time.monotonic()))
+
+
+async def _plans_add(request: web.Request) -> web.Response:
+    _require_admin(request)
+    plans = _plans_here(request)
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}") from None
+    urls: list[str] = []
+    limit = plans.max_shards
+    for u in _expand(body):
+        if len(urls) >= limit:
+            raise BadRequest(
+                f"plan has more than {limit} shards (--max-plan-shards)", status_hint=413
+            )
+        urls.append(_plan_url(request, u))
+    plan = plans.add(urls, body.get("name"), body.get("lookahead"))
+    status = plan.status(time.monotonic())
+    return web.json_response(
+        {
+            "id": plan.id,
+            "name": plan.name,
+            "shards": len(plan.urls),
+            "lookahead": {"shards": plan.lookahead_shards, "bytes": plan.lookahead_bytes},
+            "plan": status,
+        },
+        status=201,
+    )
+
+
+def _plan_url(request: web.Request, url: Any) -> str:
+    """The canonical upstream URL of a plan entry: a proxy path, a URL of this proxy, an
+    upstream URL, or ``s3://BUCKET/KEY`` of a bucket of the S3 front."""
+    if isinstance(url, str) and not url.startswith("/"):
+        s = request.app[SETTINGS]
+        under = any(url.startswith(u.base + "/") for u in s.upstreams)
+        if not under:
+            scheme, sep, rest = url.partition("://")
+            host, slash, path = rest.partition("/")
+            if sep and scheme.lower() in ("http", "https") and host.lower() == request.host.lower():
+                url = slash + path  # a URL of this proxy
+            elif sep and scheme.lower() == "s3" and any(u.name == host for u in s.upstreams):
+                url = f"/{host}/{path}"  # a bucket of the S3 front
+    try:
+        return _canonical(request, url)
+    except Forbidden as exc:
+        raise BadRequest(str(exc)) from None
+
+
+async def _plans_delete(request: web.Request) -> web.Response:
+    _require_admin(request)
+    _plans_here(request).remove(request.match_info["id"])
+    return web.json_response({"removed": True})
 
 
 async def _purge(request: web.Request) -> web.Response:

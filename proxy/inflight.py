@@ -98,6 +98,7 @@ class Download:
         self._bypass_body: UpstreamBody | None = None
         self.bypass_reason = ""
         self.claimed = False  # holds the store's cross-process claim (--workers)
+        self.reason = "demand"  # or what started it in the background: plan, prefetch
         self.task: asyncio.Task | None = None
         # passthrough: reads bytes [start, end) of this version from the upstream
         self._upstream_range: Callable[[int, int | None], Any] | None = None
@@ -234,6 +235,7 @@ class Download:
         on_first_byte: Callable[[], None] | None = None,
         *,
         send: Callable[[Any, int, int], Awaitable[int]] | None = None,
+        on_wait: Callable[[float], None] | None = None,
     ) -> int:
         """Send bytes ``start..end-1`` (to the end when ``end`` is None) as they arrive.
 
@@ -241,6 +243,9 @@ class Download:
         ``sendfile``), each pass hands it the whole written prefix not yet sent, straight
         from the ``.part`` file; the last byte of the object is held back until the
         download is verified and committed. Without it, ``pread`` reads 1 MiB at a time into ``write``.
+
+        ``on_wait(since)`` is called after each wait for bytes not yet downloaded (or
+        verified, or read from the upstream), with the ``time.monotonic()`` it began.
 
         Returns the number of bytes sent. Raises DownloadFailed if the download fails
         before the range is complete; the caller must then abort its connection.
@@ -251,11 +256,22 @@ class Download:
         fobj: Any = None
         try:
             while end is None or pos < end:
-                await self.wait_beyond(pos)
+                if self.written <= pos and self.state in (State.OPENING, State.STREAMING):
+                    since = time.monotonic()
+                    try:
+                        await self.wait_beyond(pos)
+                    finally:
+                        if on_wait is not None:
+                            on_wait(since)
                 if self.state is State.FAILED:
                     raise DownloadFailed(self.url, self.error)
                 if self.state is State.PASSTHROUGH and pos >= self.written:
-                    pos += await self._from_upstream(write, pos, end)
+                    since = time.monotonic()
+                    try:
+                        pos += await self._from_upstream(write, pos, end)
+                    finally:
+                        if on_wait is not None:
+                            on_wait(since)
                     break
                 avail = self.written
                 if avail <= pos:
@@ -279,10 +295,15 @@ class Download:
                 )
                 if self.state is State.PASSTHROUGH:
                     last = False  # the end comes from the upstream, verified there
-                if last:
+                if last and not self.verified:
                     # the final byte goes once every byte is on disk and verified; the
                     # commit (fsync, rename, index) follows on its own
-                    await self.wait_verified()
+                    since = time.monotonic()
+                    try:
+                        await self.wait_verified()
+                    finally:
+                        if on_wait is not None:
+                            on_wait(since)
                 fd = self._read_fd
                 if fd is None:
                     raise DownloadFailed(self.url, RuntimeError("download file closed"))
@@ -521,7 +542,14 @@ class Inflight:
         if not should_admit(meta.size, self.cache_size):
             return None, f"size {meta.size} not admitted"
         try:
-            return await asyncio.to_thread(self.store.begin, dl.url, meta.size), ""
+            partial = await asyncio.to_thread(self.store.begin, dl.url, meta.size)
+            if partial is None:
+                return None, (
+                    "no room: caching it would evict entries read sooner (read plans)"
+                    if self.store.planner is not None and self.store.planner()[0]
+                    else "no room in the cache"
+                )
+            return partial, ""
         except CacheError as exc:
             err = health.classify("create", exc)
             if err is not None:

@@ -20,6 +20,14 @@ Names (all prefixed ``shardcache_``)::
     store_writable                    1 while the store takes writes, 0 while it passes through
     store_errors_total{op,errno}      writes the disk or index refused (ENOSPC, EIO, EROFS...)
     revalidations_total{result}       conditional requests for aged hits: fresh|changed|gone|error
+    client_wait_seconds_total         seconds data requests waited for bytes not yet downloaded
+                                      (upstream headers, a download's next bytes, pass-through
+                                      chunks): the stall a reader feels
+    prefetch_bytes_total{reason}      bytes downloaded in the background: plan | prefetch
+    plan_requests_total{ready}        requests for a planned shard: hit (complete when asked),
+                                      downloading, miss
+    plan_ready_ahead_bytes{plan}      complete bytes ahead of each plan's reader
+    plans                             read plans registered
 
 With ``serve --workers N`` every worker writes its values to ``PROMETHEUS_MULTIPROC_DIR``
 (set by the parent before any worker imports prometheus_client) and ``/metrics`` and
@@ -128,6 +136,40 @@ class ProxyMetrics:
             "Conditional requests for aged hits, by result (fresh, changed, gone, error).",
             ["result"],
             registry=r,
+        )
+        self.client_wait = Counter(
+            "shardcache_client_wait_seconds_total",
+            "Seconds data requests spent waiting for bytes not yet downloaded: the stall a "
+            "reader feels.",
+            registry=r,
+        )
+        self.prefetch_bytes = Counter(
+            "shardcache_prefetch_bytes_total",
+            "Bytes downloaded in the background, by reason (plan: a read plan's lookahead; "
+            "prefetch: POST /-/prefetch).",
+            ["reason"],
+            registry=r,
+        )
+        self.plan_requests = Counter(
+            "shardcache_plan_requests_total",
+            "Requests for a shard of a read plan, by what they found (hit: complete; "
+            "downloading; miss: not started).",
+            ["ready"],
+            registry=r,
+        )
+        self.plan_ready_ahead = Gauge(
+            "shardcache_plan_ready_ahead_bytes",
+            "Bytes of complete entries ahead of each read plan's reader, contiguous from "
+            "its position.",
+            ["plan"],
+            registry=r,
+            multiprocess_mode=latest,
+        )
+        self.plans = Gauge(
+            "shardcache_plans",
+            "Read plans registered.",
+            registry=r,
+            multiprocess_mode=latest,
         )
         # what /metrics and the totals read: this registry, or every worker's values
         self.exposed = r

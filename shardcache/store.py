@@ -53,7 +53,7 @@ import sqlite3
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple, Protocol
@@ -65,6 +65,7 @@ from shardcache.errors import (
     StoreUnusable,
     StoreWriteError,
 )
+from shardcache.eviction import choose_victims_planned
 from shardcache.meta import ObjectMeta
 from shardcache.urls import shard_uuid
 
@@ -538,6 +539,9 @@ class Store:
         self.cache_size = cache_size
         self.policy: str = policy
         self.on_evict = on_evict
+        # read plans (set by the proxy): () -> (key -> next planned use, keys never to
+        # evict); with plans registered, eviction follows them (Belady), see _make_room
+        self.planner: Callable[[], tuple[Mapping[str, float], Collection[str]]] | None = None
         self.min_free_spec = min_free
         self.min_free = 0
         self.size_warning: str | None = None
@@ -1040,12 +1044,21 @@ class Store:
         return [self.cache_dir / name for name in stale]
 
     def _make_room(
-        self, conn: sqlite3.Connection, need: int, exclude: Iterable[str] = ()
+        self,
+        conn: sqlite3.Connection,
+        need: int,
+        exclude: Iterable[str] = (),
+        incoming: str | None = None,
     ) -> list[tuple[Entry, Path | None]] | None:
-        """Evict rows (inside the transaction) so that ``need`` more bytes fit.
+        """Evict rows (inside the transaction) so that ``need`` more bytes fit for the
+        entry ``incoming`` (a key).
 
         Returns the evicted entries with the ``.del`` names their files were moved to, or
-        None (nothing changed) when room cannot be made.
+        None (nothing changed) when room cannot be made. With read plans registered
+        (:attr:`planner`) and an evicting policy, victims are chosen by
+        :func:`~shardcache.eviction.choose_victims_planned`: no entry inside a lookahead
+        window, the farthest next use first, and None when caching ``incoming`` would
+        evict an entry needed sooner than it.
         """
         entries_bytes, reserved = self._used(conn)
         used = entries_bytes + reserved
@@ -1058,7 +1071,21 @@ class Store:
             self._row_to_entry(r)
             for r in conn.execute(f"SELECT {_ENTRY_COLS} FROM entries").fetchall()
         ]
-        victims = choose_victims(rows, self.policy, used, limit, need, exclude)
+        planned = self._planned()
+        if planned is not None:
+            next_use, protected = planned
+            victims = choose_victims_planned(
+                rows,
+                used,
+                limit,
+                need,
+                next_use,
+                protected,
+                exclude,
+                next_use.get(incoming) if incoming is not None else None,
+            )
+        else:
+            victims = choose_victims(rows, self.policy, used, limit, need, exclude)
         if victims is None:
             return None
         evicted = []
@@ -1067,6 +1094,30 @@ class Store:
             self._mem.pop(victim.key, None)
             evicted.append((victim, self._move_aside(victim.path)))
         return evicted
+
+    def _planned(self) -> tuple[Mapping[str, float], Collection[str]] | None:
+        """What the read plans say about the future, when any are registered and the
+        policy evicts at all."""
+        if self.planner is None or self.policy == "keep":
+            return None
+        try:
+            next_use, protected = self.planner()
+        except Exception:  # plans are advice: a failure falls back to the policy
+            log.exception("read-plan eviction advice failed; evicting by %s", self.policy)
+            return None
+        if not next_use and not protected:
+            return None
+        return next_use, protected
+
+    def room_for(self, planned: Collection[str]) -> int:
+        """Bytes that could be admitted now without evicting an entry whose key is in
+        ``planned``: the free part of the limit plus every other entry."""
+        with self._lock:
+            conn = self._connect()
+            entries_bytes, reserved = self._used(conn)
+            rows = conn.execute("SELECT key, size FROM entries").fetchall()
+        other = sum(int(n) for k, n in rows if k not in planned)
+        return max(0, self.disk_limit(entries_bytes) - entries_bytes - reserved) + other
 
     def _move_aside(self, path: Path) -> Path | None:
         """Rename an entry file to a unique ``.del`` name (inside a transaction)."""
@@ -1121,7 +1172,7 @@ class Store:
         path = self.cache_dir / name
         with self._tx() as conn:
             dead = self._drop_dead_reservations(conn)
-            evicted = self._make_room(conn, need)
+            evicted = self._make_room(conn, need, incoming=key)
             if evicted is not None:
                 conn.execute(
                     "INSERT INTO reservations (name, key, url, pid, host, created, expected, "
@@ -1162,7 +1213,9 @@ class Store:
             if row is None:
                 return False  # reservation was dropped (aborted or declared stale)
             dead = self._drop_dead_reservations(conn)
-            evicted = self._make_room(conn, size - int(row[0]), exclude=(partial.key,))
+            evicted = self._make_room(
+                conn, size - int(row[0]), exclude=(partial.key,), incoming=partial.key
+            )
             if evicted is not None:
                 conn.execute(
                     "UPDATE reservations SET bytes = ? WHERE name = ?", (size, partial.path.name)

@@ -1,0 +1,521 @@
+"""Read plans: a reader tells the proxy the order in which it will read shards.
+
+A plan is a list of canonical upstream URLs (the same shard may appear more than once,
+e.g. several epochs) and a position: the index of the first shard its reader has not
+asked for yet. Each data request for a planned URL moves the position past it.
+
+With plans registered the proxy
+
+- keeps each plan's next shards downloading ahead of its reader (:class:`Scheduler`),
+  enough for the next shard to be complete before the reader reaches it at its measured
+  read rate, bounded by the plan's lookahead, the free cache and
+  ``--prefetch-concurrency``; demand misses never wait for these downloads, and plan
+  downloads go before plain ``POST /-/prefetch`` work;
+- evicts the entry whose next planned use is farthest (Belady's rule; entries no plan
+  needs go first, by LRU), never an entry inside a lookahead window, and streams a shard
+  uncached when caching it would evict entries needed sooner than it
+  (:meth:`Plans.planner`, used by the store for every eviction decision);
+- measures the stall a reader feels: seconds its requests waited for bytes not yet
+  downloaded.
+
+A plan whose reader made no request for ``--plan-ttl`` seconds is dropped, so a crashed
+job never pins the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import contextlib
+import logging
+import math
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.metrics import ProxyMetrics
+from proxy.policy import parse_size
+from shardcache.errors import BadRequest, NotFound
+from shardcache.eviction import next_uses
+from shardcache.store import Store
+
+__all__ = ["Plan", "Plans", "Scheduler", "parse_lookahead", "PLAN_HEADER"]
+
+log = logging.getLogger(__name__)
+
+PLAN_HEADER = "X-Shardcache-Plan"  # a data request naming the plan it reads for
+MAX_NAME = 200
+HORIZON = 20_000  # shards of each plan looked at for next uses: beyond that, "far"
+RATE_SAMPLES = 16  # the read rate is measured over a plan's last this many shards
+TICK = 1.0  # seconds between scheduling passes when nothing wakes the scheduler
+
+
+def parse_lookahead(value: Any) -> tuple[int | None, int | None]:
+    """``"lookahead"`` of a plan: an integer is a shard count, a string a size in bytes
+    (``"2GiB"``). Returns (shards, bytes), one of them None."""
+    if isinstance(value, bool):
+        raise BadRequest('"lookahead" must be a shard count (integer) or a size ("2GiB")')
+    if isinstance(value, int):
+        if value < 1:
+            raise BadRequest(f'"lookahead" must be at least 1 shard (got {value})')
+        return value, None
+    if isinstance(value, str):
+        try:
+            n = parse_size(value)
+        except ValueError as exc:
+            raise BadRequest(f'"lookahead": {exc}') from None
+        if n < 1:
+            raise BadRequest(f'"lookahead" must be at least 1 byte (got {value!r})')
+        return None, n
+    raise BadRequest('"lookahead" must be a shard count (integer) or a size ("2GiB")')
+
+
+@dataclass(eq=False)
+class Plan:
+    """One reader's order and how far it got."""
+
+    id: str
+    name: str
+    urls: tuple[str, ...]
+    keys: tuple[str, ...]
+    lookahead_shards: int
+    lookahead_bytes: int | None = None
+    created: float = field(default_factory=time.time)
+    seen: float = field(default_factory=time.monotonic)
+    position: int = 0
+    wait_seconds: float = 0.0
+    planned_hits: int = 0
+    requests: int = 0
+    behind_bytes: int = 0
+    # filled by the scheduler's passes
+    ready_ahead_shards: int = 0
+    ready_ahead_bytes: int = 0
+    downloading: int = 0
+    window: int = 0
+    _where: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    _reads: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=RATE_SAMPLES), repr=False
+    )
+
+    def __post_init__(self) -> None:
+        for i, url in enumerate(self.urls):
+            self._where.setdefault(url, []).append(i)
+        self.window = self.lookahead_shards
+
+    @property
+    def done(self) -> bool:
+        return self.position >= len(self.urls)
+
+    def match(self, url: str, *, named: bool, reach: int) -> int | None:
+        """The index a request for ``url`` reads in this plan, or None when it is not
+        this plan's: the first occurrence at or after the shard just read (a retry of
+        it included), at most ``reach`` shards ahead unless the request named the plan."""
+        where = self._where.get(url)
+        if not where:
+            return None
+        i = bisect.bisect_left(where, max(0, self.position - 1))
+        if i == len(where):
+            return None
+        idx = where[i]
+        if not named and idx > self.position + reach:
+            return None
+        return idx
+
+    def advance(self, idx: int, now: float) -> None:
+        """The reader asked for shard ``idx``."""
+        self.seen = now
+        self.requests += 1
+        if idx >= self.position:  # else it asked again for the shard just read
+            self.position = idx + 1
+
+    def note_read(self, nbytes: int, now: float, *, hit: bool) -> None:
+        """A request of this plan ended after sending ``nbytes``."""
+        self.seen = now
+        if hit:
+            self.planned_hits += 1
+        if nbytes:
+            self.behind_bytes += nbytes
+            self._reads.append((now, nbytes))
+
+    def read_rate(self) -> float | None:
+        """Bytes per second the reader consumed over its last shards; None until known."""
+        if len(self._reads) < 3:
+            return None
+        span = self._reads[-1][0] - self._reads[0][0]
+        if span <= 0:
+            return None
+        return sum(n for _, n in list(self._reads)[1:]) / span
+
+    def status(self, now: float) -> dict[str, Any]:
+        rate = self.read_rate()
+        return {
+            "id": self.id,
+            "name": self.name,
+            "shards": len(self.urls),
+            "position": self.position,
+            "created": self.created,
+            "idle_seconds": round(now - self.seen, 3),
+            "ready_ahead_shards": self.ready_ahead_shards,
+            "ready_ahead_bytes": self.ready_ahead_bytes,
+            "downloading": self.downloading,
+            "behind_bytes": self.behind_bytes,
+            "read_bytes_per_second": None if rate is None else round(rate),
+            "wait_seconds": round(self.wait_seconds, 6),
+            "planned_hits": self.planned_hits,
+            "requests": self.requests,
+            "lookahead_shards": self.lookahead_shards,
+            "lookahead_bytes": self.lookahead_bytes,
+            "window_shards": self.window,
+            "done": self.done,
+        }
+
+
+class Plans:
+    """The plans registered with this proxy, and what eviction needs to know of them."""
+
+    def __init__(
+        self,
+        store: Store,
+        metrics: ProxyMetrics,
+        *,
+        ttl: float,
+        default_lookahead: int,
+        max_plans: int,
+        max_shards: int,
+    ) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.ttl = ttl
+        self.default_lookahead = default_lookahead
+        self.max_plans = max_plans
+        self.max_shards = max_shards
+        self._plans: dict[str, Plan] = {}
+        self._memo: tuple[int, tuple[Mapping[str, float], frozenset[str]]] | None = None
+        self._version = 0  # bumped whenever a position, a window or the set of plans changes
+        self.changed = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def __iter__(self):
+        return iter(list(self._plans.values()))
+
+    def _touch(self) -> None:
+        self._version += 1
+        self.changed.set()
+
+    # -- registry ------------------------------------------------------------------------
+
+    def add(self, urls: Sequence[str], name: str | None, lookahead: Any = None) -> Plan:
+        if not urls:
+            raise BadRequest("a plan needs at least one URL")
+        if len(urls) > self.max_shards:
+            raise BadRequest(
+                f"plan has {len(urls)} shards; at most {self.max_shards} are accepted "
+                "(--max-plan-shards)",
+                status_hint=413,
+            )
+        if len(self._plans) >= self.max_plans:
+            raise BadRequest(
+                f"{len(self._plans)} plans are registered, the most this proxy keeps "
+                "(--max-plans): DELETE /-/plans/ID the plans that ended"
+            )
+        if name is not None and (not isinstance(name, str) or len(name) > MAX_NAME):
+            raise BadRequest(f'"name" must be a string of at most {MAX_NAME} characters')
+        shards, nbytes = (
+            (self.default_lookahead, None) if lookahead is None else parse_lookahead(lookahead)
+        )
+        plan = Plan(
+            id="p-" + secrets.token_hex(6),
+            name=name or "",
+            urls=tuple(urls),
+            keys=tuple(self.store.key(u) for u in urls),
+            lookahead_shards=shards if shards is not None else max(1, self.default_lookahead * 4),
+            lookahead_bytes=nbytes,
+        )
+        self._plans[plan.id] = plan
+        self.metrics.plans.set(len(self._plans))
+        self._touch()
+        log.info(
+            "plan %s%s registered: %d shards, lookahead %s",
+            plan.id,
+            f" ({plan.name})" if plan.name else "",
+            len(plan.urls),
+            f"{nbytes} bytes" if nbytes is not None else f"{shards} shards",
+        )
+        return plan
+
+    def get(self, plan_id: str) -> Plan:
+        plan = self._plans.get(plan_id)
+        if plan is None:
+            raise NotFound(f"no plan {plan_id!r} (it ended, was deleted or expired)")
+        return plan
+
+    def remove(self, plan_id: str, why: str = "deleted") -> Plan:
+        plan = self._plans.pop(plan_id, None)
+        if plan is None:
+            raise NotFound(f"no plan {plan_id!r} (it ended, was deleted or expired)")
+        with contextlib.suppress(KeyError):
+            self.metrics.plan_ready_ahead.remove(plan.id)
+        self.metrics.plans.set(len(self._plans))
+        self._touch()
+        log.info(
+            "plan %s %s at %d of %d shards, %.2f s waited",
+            plan.id,
+            why,
+            plan.position,
+            len(plan.urls),
+            plan.wait_seconds,
+        )
+        return plan
+
+    def expire(self, now: float) -> list[Plan]:
+        gone = [p for p in self._plans.values() if now - p.seen > self.ttl]
+        for p in gone:
+            self.remove(p.id, f"expired after {self.ttl:g} s without a request")
+        return gone
+
+    # -- requests ------------------------------------------------------------------------
+
+    def on_request(self, url: str, plan_id: str | None) -> list[Plan]:
+        """A data request for ``url``: advance the plans it reads for (the one named by
+        the request's ``X-Shardcache-Plan``, else every plan whose next shards include
+        ``url``). Returns them."""
+        if not self._plans:
+            return []
+        now = time.monotonic()
+        if plan_id is not None:
+            plan = self._plans.get(plan_id)
+            candidates = [plan] if plan is not None else []
+        else:
+            candidates = list(self._plans.values())
+        hit = []
+        for plan in candidates:
+            idx = plan.match(url, named=plan_id is not None, reach=max(64, 4 * plan.window))
+            if idx is None:
+                continue
+            plan.advance(idx, now)
+            hit.append(plan)
+        if hit:
+            self._touch()
+        return hit
+
+    # -- eviction ------------------------------------------------------------------------
+
+    def planner(self) -> tuple[Mapping[str, float], Collection[str]]:
+        """(key -> shards until its next planned use, keys never to evict): what the
+        store's eviction asks before choosing victims. Called from the store's thread;
+        reads a consistent copy of the positions."""
+        memo = self._memo
+        version = self._version
+        if memo is not None and memo[0] == version:
+            return memo[1]
+        views = []
+        for plan in list(self._plans.values()):
+            pos = plan.position
+            views.append((plan.keys[pos : pos + HORIZON], 0, plan.window))
+        result = next_uses(views)
+        answer = (result[0], frozenset(result[1]))
+        self._memo = (version, answer)
+        return answer
+
+
+class Scheduler:
+    """Background downloads: each plan's lookahead first, then plain prefetch work.
+
+    ``start(url, reason)`` starts a download for the cache (None when it cannot start
+    here: another worker has it, or it is cached) and returns it acquired.
+    """
+
+    def __init__(
+        self,
+        plans: Plans,
+        store: Store,
+        inflight: Any,
+        metrics: ProxyMetrics,
+        *,
+        concurrency: int,
+        start: Callable[[str, str], Awaitable[Any]],
+    ) -> None:
+        self.plans = plans
+        self.store = store
+        self.inflight = inflight
+        self.metrics = metrics
+        self.concurrency = concurrency
+        self._start = start
+        self._running: dict[str, Any] = {}  # url -> Download started here
+        self._queue: collections.deque[str] = collections.deque()  # plain prefetch
+        self._queued: set[str] = set()
+        self._fetch_seconds: float | None = None  # a shard's download time, smoothed
+        self._shard_bytes: float | None = None  # a shard's size, smoothed
+        self._room: tuple[float, int] = (0.0, 0)  # (when, bytes) free for extended lookahead
+        self.prefetched = {"ok": 0, "failed": 0}
+
+    # -- work ----------------------------------------------------------------------------
+
+    def prefetch(self, urls: Iterable[str]) -> int:
+        """Queue plain prefetch work (after every plan's lookahead). Returns the count."""
+        n = 0
+        for u in urls:
+            if u not in self._queued:
+                self._queued.add(u)
+                self._queue.append(u)
+                n += 1
+        self.plans.changed.set()
+        return n
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a pass must never end the scheduler
+                log.exception("read-plan scheduling pass failed")
+            self.plans.changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.plans.changed.wait(), TICK)
+
+    def _window(self, plan: Plan) -> int:
+        """Shards to have ready ahead of ``plan``'s reader: as many as it reads while one
+        shard downloads, plus one, within its lookahead; the whole lookahead until its
+        read rate is known."""
+        rate = plan.read_rate()
+        if rate is None or self._fetch_seconds is None or not self._shard_bytes:
+            return plan.lookahead_shards
+        need = math.ceil(rate * self._fetch_seconds / self._shard_bytes) + 1
+        return max(1, min(plan.lookahead_shards, need))
+
+    async def step(self) -> None:
+        now = time.monotonic()
+        self.plans.expire(now)
+        running = self._running
+        want: list[tuple[int, int, str, str]] = []  # (tier, distance, url, reason)
+        room = await self._free_room(now)
+        for plan in self.plans:
+            needed = self._window(plan)
+            if plan.window != needed:
+                plan.window = needed
+                self.plans._touch()
+            ready_n = ready_b = 0
+            contiguous = True
+            downloading = 0
+            budget = plan.lookahead_bytes
+            end = min(len(plan.urls), plan.position + plan.lookahead_shards)
+            for dist, idx in enumerate(range(plan.position, end)):
+                url = plan.urls[idx]
+                entry = self.store.lookup(url)
+                if entry is not None:
+                    if contiguous:
+                        ready_n += 1
+                        ready_b += entry.size
+                    size = entry.size
+                else:
+                    contiguous = False
+                    dl = self.inflight.get(url)
+                    if dl is not None:
+                        downloading += 1
+                        size = dl.known_size or int(self._shard_bytes or 0)
+                        dl.release()
+                    else:
+                        size = int(self._shard_bytes or 0)
+                        # the reader's own window may evict entries needed later; the
+                        # rest of the lookahead only fills room that costs no planned entry
+                        tier = 0 if dist < needed else 1
+                        if tier == 1:
+                            if room < size:
+                                continue
+                            room -= size
+                        want.append((tier, dist, url, "plan"))
+                if budget is not None:
+                    budget -= size
+                    if budget <= 0:
+                        break
+            plan.ready_ahead_shards, plan.ready_ahead_bytes = ready_n, ready_b
+            plan.downloading = downloading
+            self.metrics.plan_ready_ahead.labels(plan=plan.id).set(ready_b)
+        want.sort(key=lambda w: (w[0], w[1]))
+        demand = max(0, len(self.inflight) - len(running))
+        free = self.concurrency - len(running)
+        plan_slots = max(1 if want else 0, free - demand)
+        for _tier, _dist, url, reason in want:
+            if plan_slots <= 0:
+                break
+            if url in running:
+                continue
+            if await self._launch(url, reason):
+                plan_slots -= 1
+                free -= 1
+        if want:
+            return  # plain prefetch waits for every plan's lookahead
+        slots = free - demand
+        while slots > 0 and self._queue:
+            url = self._queue.popleft()
+            self._queued.discard(url)
+            if url in running or self.inflight.running(url):
+                continue
+            if self.store.lookup(url) is not None:
+                continue
+            if await self._launch(url, "prefetch"):
+                slots -= 1
+
+    async def _free_room(self, now: float) -> int:
+        """Bytes the cache can take without evicting an entry a plan needs; measured at
+        most once a second (one scan of the index, on a thread)."""
+        when, room = self._room
+        if now - when < 1.0:
+            return room
+        planned, protected = self.plans.planner()
+        room = await asyncio.to_thread(self.store.room_for, set(planned) | set(protected))
+        self._room = (now, room)
+        return room
+
+    async def _launch(self, url: str, reason: str) -> bool:
+        try:
+            dl = await self._start(url, reason)
+        except Exception as exc:
+            log.warning("cannot start background download of %s: %s", url, exc)
+            return False
+        if dl is None:
+            return False
+        self._running[url] = dl
+        began = time.monotonic()
+        task = asyncio.get_running_loop().create_task(self._follow(url, dl, reason, began))
+        task.add_done_callback(lambda _t: None)
+        return True
+
+    async def _follow(self, url: str, dl: Any, reason: str, began: float) -> None:
+        from proxy.inflight import State  # the download states
+
+        try:
+            await dl.wait_finished()
+            body = dl.take_bypass_body()
+            if body is not None:
+                body.close()
+            ok = dl.state is State.DONE
+            if ok:
+                self.metrics.prefetch_bytes.labels(reason=reason).inc(dl.written)
+                took = time.monotonic() - began
+                self._fetch_seconds = _smooth(self._fetch_seconds, took)
+                self._shard_bytes = _smooth(self._shard_bytes, float(dl.written))
+            if reason == "prefetch":
+                self.prefetched["ok" if ok else "failed"] += 1
+        finally:
+            dl.release()
+            self._running.pop(url, None)
+            self.plans.changed.set()
+
+    async def stop(self) -> None:
+        self._queue.clear()
+        self._queued.clear()
+
+
+def _smooth(old: float | None, new: float, weight: float = 0.3) -> float:
+    return new if old is None else old + weight * (new - old)

@@ -1,0 +1,256 @@
+"""Read plans through the real proxy (a subprocess) and a real origin: the HTTP API, the
+lookahead, eviction that follows the plans, the stall metric, expiry."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.proxy_helpers import Fault, Origin, ProxyProcess
+
+SHARD = 256 << 10
+
+
+def _files(n: int, size: int = SHARD) -> dict[str, bytes]:
+    return {f"s{i:02d}.tar": bytes([i]) * size for i in range(n)}
+
+
+def _call(
+    proxy: ProxyProcess,
+    method: str,
+    path: str,
+    body: object | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict | str, dict[str, str]]:
+    if body is None or isinstance(body, bytes):
+        data = body
+    else:
+        data = json.dumps(body).encode()
+    req = urllib.request.Request(proxy.url + path, data=data, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            raw, status, hdrs = r.read(), r.status, dict(r.headers)
+    except urllib.error.HTTPError as exc:
+        raw, status, hdrs = exc.read(), exc.code, dict(exc.headers)
+    text = raw.decode(errors="replace")
+    try:
+        return status, json.loads(text), hdrs
+    except ValueError:
+        return status, text, hdrs
+
+
+def _get(proxy: ProxyProcess, name: str, headers: dict[str, str] | None = None):
+    status, body, hdrs = _call(proxy, "GET", "/" + name, headers=headers)
+    return status, hdrs.get("X-Cache"), body
+
+
+def _metric(proxy: ProxyProcess, name: str, labels: str = "") -> float:
+    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + (labels if labels else "")) and (
+            labels or line[len(name)] in " {"
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _wait(cond, timeout: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def rig(tmp_path: Path):
+    started: list = []
+
+    def make(files: dict[str, bytes], *args: str, faults: dict[str, Fault] | None = None):
+        origin = Origin(files=dict(files), faults=dict(faults or {})).start()
+        proxy = ProxyProcess(tmp_path / "cache", "--upstream", origin.url, *args).start()
+        started.append((origin, proxy))
+        return origin, proxy
+
+    yield make
+    for origin, proxy in started:
+        proxy.stop()
+        origin.stop()
+
+
+def test_api_register_list_get_delete(rig) -> None:
+    origin, proxy = rig(_files(4))
+    status, body, _ = _call(
+        proxy, "POST", "/-/plans", {"pattern": "/s{00..03}.tar", "name": "job/w0", "lookahead": 2}
+    )
+    assert status == 201, body
+    pid = body["id"]
+    assert body["shards"] == 4 and body["name"] == "job/w0"
+    assert body["lookahead"] == {"shards": 2, "bytes": None}
+    # every URL form names the same shards: proxy path, proxy URL, upstream URL
+    forms = ["/s00.tar", f"{proxy.url}/s01.tar", f"{origin.url}/s02.tar"]
+    status, other, _ = _call(proxy, "POST", "/-/plans", {"urls": forms, "lookahead": "1MiB"})
+    assert status == 201, other
+    assert other["lookahead"]["bytes"] == 1 << 20
+    status, listing, _ = _call(proxy, "GET", "/-/plans")
+    assert status == 200
+    assert {p["id"] for p in listing["plans"]} == {pid, other["id"]}
+    status, one, _ = _call(proxy, "GET", f"/-/plans/{pid}")
+    assert status == 200 and one["shards"] == 4 and one["position"] == 0
+    for key in ("ready_ahead_bytes", "behind_bytes", "wait_seconds", "idle_seconds", "done"):
+        assert key in one
+    status, gone, _ = _call(proxy, "DELETE", f"/-/plans/{pid}")
+    assert status == 200 and gone == {"removed": True}
+    assert _call(proxy, "GET", f"/-/plans/{pid}")[0] == 404
+    assert _call(proxy, "DELETE", f"/-/plans/{pid}")[0] == 404
+
+
+def test_api_rejects_bad_plans(rig) -> None:
+    _, proxy = rig(_files(2), "--max-plans", "1", "--max-plan-shards", "3")
+    status, text, _ = _call(proxy, "POST", "/-/plans", b"{nope")
+    assert status == 400 and "JSON" in text
+    status, text, _ = _call(proxy, "POST", "/-/plans", {"name": "x"})
+    assert status == 400 and "urls" in text
+    status, text, _ = _call(proxy, "POST", "/-/plans", {"urls": ["http://elsewhere.example/x"]})
+    assert status == 400 and "--allow-host" in text
+    status, text, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"], "lookahead": 0})
+    assert status == 400 and "lookahead" in text
+    status, text, _ = _call(proxy, "POST", "/-/plans", {"pattern": "/s{00..09}.tar"})
+    assert status == 413 and "--max-plan-shards" in text
+    assert _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"]})[0] == 201
+    status, text, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s01.tar"]})
+    assert status == 400 and "--max-plans" in text
+
+
+def test_api_needs_the_admin_token_when_set(rig) -> None:
+    _, proxy = rig(_files(1), "--admin-token", "sekret")
+    assert _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"]})[0] == 401
+    auth = {"Authorization": "Bearer sekret"}
+    status, body, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"]}, auth)
+    assert status == 201
+    assert _call(proxy, "GET", "/-/plans")[0] == 200  # reading needs no token
+    assert _call(proxy, "DELETE", f"/-/plans/{body['id']}")[0] == 401
+    assert _call(proxy, "DELETE", f"/-/plans/{body['id']}", headers=auth)[0] == 200
+
+
+def test_lookahead_downloads_the_next_shards_before_the_reader_asks(rig) -> None:
+    files = _files(8)
+    origin, proxy = rig(files, "--prefetch-concurrency", "2")
+    status, body, _ = _call(
+        proxy, "POST", "/-/plans", {"pattern": "/s{00..07}.tar", "lookahead": 3}
+    )
+    assert status == 201
+    pid = body["id"]
+    # the first three are downloaded without any read
+    _wait(lambda: all(origin.gets[f"s{i:02d}.tar"] == 1 for i in range(3)), what="lookahead")
+    _wait(
+        lambda: _call(proxy, "GET", f"/-/plans/{pid}")[1]["ready_ahead_shards"] == 3,
+        what="three shards ready",
+    )
+    assert origin.gets["s05.tar"] == 0  # beyond the lookahead
+    for i in range(8):
+        status, cache, data = _get(proxy, f"s{i:02d}.tar")
+        assert status == 200
+        assert isinstance(data, str) and len(data) == SHARD
+    # a request's accounting ends just after its last byte went out
+    _wait(lambda: _call(proxy, "GET", f"/-/plans/{pid}")[1]["behind_bytes"] == 8 * SHARD)
+    st = _call(proxy, "GET", f"/-/plans/{pid}")[1]
+    assert st["position"] == 8 and st["done"]
+    assert st["planned_hits"] >= 3
+    assert sum(origin.gets.values()) == 8  # every shard once
+    assert _metric(proxy, "shardcache_prefetch_bytes_total", '{reason="plan"}') >= 3 * SHARD
+    assert _metric(proxy, "shardcache_plan_requests_total", '{ready="hit"}') >= 3
+
+
+def test_eviction_keeps_the_shard_a_plan_reads_next(rig) -> None:
+    files = _files(4)
+    # room for three shards: LRU would evict s00 (the oldest) to admit s03
+    origin, proxy = rig(files, "--cache-size", str(3 * SHARD), "--min-free", "0")
+    for i in range(3):
+        assert _get(proxy, f"s{i:02d}.tar")[0] == 200
+    status, body, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s03.tar", "/s00.tar"]})
+    assert status == 201
+    assert _get(proxy, "s03.tar")[0] == 200
+    _wait(lambda: origin.gets["s03.tar"] == 1)
+    status, cache, _ = _get(proxy, "s00.tar")
+    assert (status, cache) == (200, "HIT")
+    assert origin.gets["s00.tar"] == 1
+    # an unplanned entry (s01, the least recently used of those) made the room
+    assert _get(proxy, "s01.tar")[1] != "HIT"
+
+
+def test_a_shard_needed_later_than_the_cache_holds_is_streamed_uncached(rig) -> None:
+    files = _files(3)
+    origin, proxy = rig(files, "--cache-size", str(2 * SHARD), "--min-free", "0")
+    assert _get(proxy, "s00.tar")[0] == 200
+    assert _get(proxy, "s01.tar")[0] == 200
+    # s02 is read now and never again; s00 and s01 are read right after it
+    status, body, _ = _call(
+        proxy, "POST", "/-/plans", {"urls": ["/s02.tar", "/s00.tar", "/s01.tar"], "lookahead": 1}
+    )
+    assert status == 201
+    status, cache, data = _get(proxy, "s02.tar")
+    assert status == 200 and len(data) == SHARD
+    assert cache in ("BYPASS", "MISS", "COALESCED")
+    assert _get(proxy, "s00.tar")[1] == "HIT"
+    assert _get(proxy, "s01.tar")[1] == "HIT"
+    assert origin.gets["s00.tar"] == 1 and origin.gets["s01.tar"] == 1
+
+
+def test_cyclic_epochs_over_twice_the_cache_hit_half_with_plans(rig) -> None:
+    n = 8
+    files = _files(n)
+    origin, proxy = rig(
+        files, "--cache-size", str(n // 2 * SHARD), "--min-free", "0", "--plan-lookahead", "1"
+    )
+    order = [f"/s{i:02d}.tar" for i in range(n)]
+    hits = 0
+    for epoch in range(3):
+        status, body, _ = _call(proxy, "POST", "/-/plans", {"urls": order, "lookahead": 1})
+        assert status == 201
+        for path in order:
+            status, cache, _ = _get(proxy, path[1:], {"X-Shardcache-Plan": body["id"]})
+            assert status == 200
+            if epoch > 0 and cache == "HIT":
+                hits += 1
+        assert _call(proxy, "DELETE", f"/-/plans/{body['id']}")[0] == 200
+    ratio = hits / (2 * n)
+    assert ratio >= 0.3, f"hit ratio {ratio:.2f} over epochs 2-3"
+
+
+def test_wait_seconds_measure_the_stall(rig) -> None:
+    files = _files(2)
+    faults = {"s00.tar": Fault(delay=0.05, chunk=32 << 10)}  # 8 chunks: ~0.4 s
+    _, proxy = rig(files, faults=faults)
+    status, body, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s01.tar", "/s00.tar"]})
+    pid = body["id"]
+    _call(proxy, "DELETE", f"/-/plans/{pid}")
+    before = _metric(proxy, "shardcache_client_wait_seconds_total")
+    assert _get(proxy, "s00.tar")[0] == 200
+    slow = _metric(proxy, "shardcache_client_wait_seconds_total") - before
+    assert slow >= 0.2, slow
+    assert _get(proxy, "s00.tar")[1] == "HIT"
+    hit = _metric(proxy, "shardcache_client_wait_seconds_total") - before - slow
+    assert hit < 0.05, hit
+
+
+def test_idle_plans_expire(rig) -> None:
+    _, proxy = rig(_files(1), "--plan-ttl", "1")
+    status, body, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"]})
+    assert status == 201
+    _wait(lambda: _call(proxy, "GET", f"/-/plans/{body['id']}")[0] == 404, what="expiry")
+    assert "expired" in proxy.log_text()
+
+
+def test_workers_refuse_plans_clearly(rig) -> None:
+    _, proxy = rig(_files(1), "--workers", "2")
+    status, text, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"]})
+    assert status == 501 and "--workers 1" in text
