@@ -577,7 +577,7 @@ def _base_headers(cache: str, etag: str | None, last_modified: str | None) -> di
     return h
 
 
-def _plan(
+def _decide(
     request: web.Request, size: int | None, etag: str | None, last_modified: str | None
 ) -> tuple[int | None, ByteRange | None]:
     """(status for a bodiless answer or None, byte range or None for the whole object)."""
@@ -620,7 +620,7 @@ async def _respond(
     headers = _base_headers(cache, meta.etag, meta.last_modified)
     if extra:
         headers.update(extra)
-    cond, brange = _plan(request, size, meta.etag, meta.last_modified)
+    cond, brange = _decide(request, size, meta.etag, meta.last_modified)
     if cond is not None:
         return _not_modified(cond, headers), None
     resp = web.StreamResponse(headers=headers)
@@ -680,7 +680,7 @@ async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse |
     forgets the entry and looks again)."""
     app = request.app
     headers = _base_headers("HIT", entry.etag, entry.last_modified)
-    cond, brange = _plan(request, entry.size, entry.etag, entry.last_modified)
+    cond, brange = _decide(request, entry.size, entry.etag, entry.last_modified)
     store, tier = app[STORE], app[HITS]
     if cond is not None:
         store.touch(entry)
@@ -1246,7 +1246,7 @@ def _plan_url(request: web.Request, url: Any) -> str:
         if not under:
             scheme, sep, rest = url.partition("://")
             host, slash, path = rest.partition("/")
-            if sep and scheme.lower() in ("http", "https") and host.lower() == request.host.lower():
+            if sep and scheme.lower() in ("http", "https") and _is_me(request, scheme, host):
                 url = slash + path  # a URL of this proxy
             elif sep and scheme.lower() == "s3" and any(u.name == host for u in s.upstreams):
                 url = f"/{host}/{path}"  # a bucket of the S3 front
@@ -1254,6 +1254,34 @@ def _plan_url(request: web.Request, url: Any) -> str:
         return _canonical(request, url)
     except Forbidden as exc:
         raise BadRequest(str(exc)) from None
+
+
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "ip6-localhost"})
+
+
+def _is_me(request: web.Request, scheme: str, netloc: str) -> bool:
+    """Whether ``scheme://netloc`` names this proxy: the Host the request came to, or a
+    loopback name or this proxy's address on the port it listens on (default ports
+    written or not)."""
+    from urllib.parse import urlsplit
+
+    default = 443 if scheme.lower() == "https" else 80
+    try:
+        there = urlsplit(f"{scheme}://{netloc}")
+        port = there.port or default
+        here = urlsplit(f"{request.scheme}://{request.host}")
+        here_port = here.port or (443 if request.scheme == "https" else 80)
+    except ValueError:
+        return False
+    name = (there.hostname or "").lower()
+    if name == (here.hostname or "").lower() and port == here_port:
+        return True
+    sock = request.transport.get_extra_info("sockname") if request.transport else None
+    listen_port = sock[1] if sock else here_port
+    mine = _LOOPBACK_NAMES | {request.app[SETTINGS].host.lower()}
+    if sock:
+        mine |= {str(sock[0]).lower()}
+    return port == listen_port and name in mine
 
 
 async def _plans_delete(request: web.Request) -> web.Response:

@@ -103,7 +103,7 @@ class Plan:
     def __post_init__(self) -> None:
         for i, url in enumerate(self.urls):
             self._where.setdefault(url, []).append(i)
-        self.window = self.lookahead_shards
+        self.window = 1
 
     @property
     def done(self) -> bool:
@@ -233,7 +233,8 @@ class Plans:
             name=name or "",
             urls=tuple(urls),
             keys=tuple(self.store.key(u) for u in urls),
-            lookahead_shards=shards if shards is not None else max(1, self.default_lookahead * 4),
+            # a lookahead in bytes bounds the shards by their sizes (see Scheduler._window)
+            lookahead_shards=shards if shards is not None else len(urls),
             lookahead_bytes=nbytes,
         )
         self._plans[plan.id] = plan
@@ -383,15 +384,24 @@ class Scheduler:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.plans.changed.wait(), TICK)
 
-    def _window(self, plan: Plan) -> int:
+    def _lookahead(self, plan: Plan) -> int:
+        """``plan``'s lookahead in shards: its count, or its bytes over the typical shard
+        size (the proxy's default count until a shard size is known)."""
+        if plan.lookahead_bytes is None:
+            return plan.lookahead_shards
+        if not self._shard_bytes:
+            return min(plan.lookahead_shards, self.plans.default_lookahead)
+        return max(1, min(plan.lookahead_shards, int(plan.lookahead_bytes // self._shard_bytes)))
+
+    def _window(self, plan: Plan, lookahead: int) -> int:
         """Shards to have ready ahead of ``plan``'s reader: as many as it reads while one
         shard downloads, plus one, within its lookahead; the whole lookahead until its
         read rate is known."""
         rate = plan.read_rate()
         if rate is None or self._fetch_seconds is None or not self._shard_bytes:
-            return plan.lookahead_shards
+            return lookahead
         need = math.ceil(rate * self._fetch_seconds / self._shard_bytes) + 1
-        return max(1, min(plan.lookahead_shards, need))
+        return max(1, min(lookahead, need))
 
     async def step(self) -> None:
         now = time.monotonic()
@@ -400,7 +410,8 @@ class Scheduler:
         want: list[tuple[int, int, str, str]] = []  # (tier, distance, url, reason)
         room = await self._free_room(now)
         for plan in self.plans:
-            needed = self._window(plan)
+            lookahead = self._lookahead(plan)
+            needed = self._window(plan, lookahead)
             if plan.window != needed:
                 plan.window = needed
                 self.plans._touch()
@@ -408,7 +419,7 @@ class Scheduler:
             contiguous = True
             downloading = 0
             budget = plan.lookahead_bytes
-            end = min(len(plan.urls), plan.position + plan.lookahead_shards)
+            end = min(len(plan.urls), plan.position + lookahead)
             for dist, idx in enumerate(range(plan.position, end)):
                 url = plan.urls[idx]
                 entry = self.store.lookup(url)

@@ -96,7 +96,12 @@ def test_api_register_list_get_delete(rig) -> None:
     assert body["shards"] == 4 and body["name"] == "job/w0"
     assert body["lookahead"] == {"shards": 2, "bytes": None}
     # every URL form names the same shards: proxy path, proxy URL, upstream URL
-    forms = ["/s00.tar", f"{proxy.url}/s01.tar", f"{origin.url}/s02.tar"]
+    forms = [
+        "/s00.tar",
+        f"{proxy.url}/s01.tar",
+        f"{origin.url}/s02.tar",
+        f"http://localhost:{proxy.port}/s03.tar",
+    ]
     status, other, _ = _call(proxy, "POST", "/-/plans", {"urls": forms, "lookahead": "1MiB"})
     assert status == 201, other
     assert other["lookahead"]["bytes"] == 1 << 20
