@@ -27,18 +27,20 @@ DOCKER = REPO / "docker"
 BIN = Path(sys.executable).parent
 
 # The metric names DESIGN.md lists; a histogram also exports _bucket, _sum and _count.
-EXPORTED_METRICS = {
-    "shardcache_requests_total",
-    "shardcache_response_bytes_total",
-    "shardcache_upstream_requests_total",
-    "shardcache_upstream_bytes_total",
-    "shardcache_cache_size_bytes",
-    "shardcache_cache_limit_bytes",
-    "shardcache_cache_entries",
-    "shardcache_evictions_total",
-    "shardcache_evicted_bytes_total",
-    "shardcache_downloads_in_progress",
-}
+def _exported() -> set[str]:
+    """Every metric family the proxy exports, as its series are named (counters with
+    ``_total``), from a live registry: a new metric must reach the dashboard."""
+    from proxy.metrics import ProxyMetrics
+
+    names = set()
+    for family in ProxyMetrics().registry.collect():
+        if family.type == "histogram":
+            continue
+        names.add(family.name + ("_total" if family.type == "counter" else ""))
+    return names
+
+
+EXPORTED_METRICS = _exported()
 HISTOGRAMS = {"shardcache_time_to_first_byte_seconds"}
 
 
