@@ -13,7 +13,7 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from aiohttp import web
@@ -232,6 +232,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         default_lookahead=s.plan_lookahead,
         max_plans=s.max_plans,
         max_shards=s.max_plan_shards,
+        shared=s.workers > 1,
     )
     store.planner = plans.planner
     app[PLANS] = plans
@@ -423,7 +424,7 @@ async def _shard(request: web.Request) -> web.StreamResponse:
     store = request.app[STORE]
     inflight = request.app[INFLIGHT]
     plans = request.app[PLANS]
-    if len(plans):
+    if len(plans) and not _forwarded(request):  # counted by the worker it came to
         matched = plans.on_request(url, request.headers.get(PLAN_HEADER))
         if matched:
             request[T_PLANS] = matched
@@ -636,6 +637,144 @@ def _not_modified(status: int, headers: dict[str, str]) -> web.Response:
     return _error_response(412, "precondition failed", headers)
 
 
+# ---------------------------------------------------------------------------------------
+# one response path: _answer decides, a body source sends
+
+
+def _first_byte(request: web.Request, cache: str) -> None:
+    """Observe this request's time to first byte."""
+    request.app[METRICS].ttfb.labels(cache=cache).observe(time.monotonic() - request[T_START])
+
+
+class _Body:
+    """Where the bytes of an answer come from. :func:`_answer` decides the response
+    (headers, conditionals, Range, HEAD, an empty body) and hands the byte range to
+    :meth:`send`; a source whose bytes are all in memory sets ``data`` and is answered
+    as one ``web.Response`` instead."""
+
+    data: bytes | None = None
+
+    def ready(self) -> bool:
+        """Before the answer: False when the bytes are gone (nothing has been sent)."""
+        return True
+
+    async def send(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        start: int,
+        end: int | None,
+        first_byte: Callable[[], None],
+    ) -> str | None:
+        """Send the object's bytes ``[start, end)`` (``end`` None: to its end) through the
+        prepared ``resp``, count them in ``request[T_BYTES]`` and call ``first_byte()``
+        as the first one goes out. None when every byte went out; otherwise why the body
+        was cut, and the caller aborts the connection (never a clean end)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _EntryBody(_Body):
+    """A cache entry: a small one from the RAM tier (one ``web.Response``, no
+    streaming), a larger one from its file with ``sendfile`` on the loop."""
+
+    def __init__(self, request: web.Request, entry: Entry):
+        self.tier = request.app[HITS]
+        self.entry = entry
+        self.fobj: Any = None
+
+    def ready(self) -> bool:
+        tier, entry = self.tier, self.entry
+        if tier.cacheable(entry):
+            self.data = tier.small(entry)
+            if self.data is None:
+                self.data = tier.load(entry)
+            found = self.data is not None
+        else:
+            self.fobj = tier.open(entry)
+            found = self.fobj is not None
+        if found:
+            tier.store.touch(entry)
+        return found
+
+    async def send(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        start: int,
+        end: int | None,
+        first_byte: Callable[[], None],
+    ) -> str | None:
+        count = (self.entry.size if end is None else end) - start
+        first_byte()
+        sent = await _send_file(request, resp, self.fobj, start, count)
+        return None if sent == count else f"entry file ended at byte {start + sent}"
+
+    def close(self) -> None:
+        if self.fobj is not None:
+            self.fobj.close()
+
+
+class _NoBody(_Body):
+    """An answer that never has a body (HEAD answered from the upstream's metadata)."""
+
+
+async def _answer(
+    request: web.Request,
+    meta: ObjectMeta,
+    cache: str,
+    size: int | None,
+    body: _Body,
+    extra: dict[str, str] | None = None,
+) -> web.StreamResponse | None:
+    """Answer with version ``meta`` of the object (``size`` bytes, None while unknown)
+    and its bytes from ``body``: headers built, conditionals and Range decided (a 304/412
+    without a body, RangeNotSatisfiable for a 416), the response prepared, the byte range
+    sent and the response ended — or the connection aborted when ``body`` reports a
+    cut. None when ``body`` is gone before anything was answered."""
+    try:
+        if not body.ready():
+            return None
+        headers = _base_headers(cache, meta.etag, meta.last_modified)
+        if extra:
+            headers.update(extra)
+        cond, brange = _decide(request, size, meta.etag, meta.last_modified)
+        if cond is not None:
+            return _not_modified(cond, headers)
+        # the upstream's type as it was sent: web.Response(content_type=) refuses one
+        # with parameters ("text/plain; charset=utf-8")
+        headers["Content-Type"] = meta.content_type or DEFAULT_TYPE
+        status, start, end = 200, 0, size
+        if brange is not None:
+            status, start, end = 206, brange.start, brange.end + 1
+            headers["Content-Range"] = brange.content_range
+        if body.data is not None:
+            resp: web.StreamResponse = web.Response(
+                body=body.data[start:end], status=status, headers=headers
+            )
+            _first_byte(request, cache)
+            return resp
+        resp = web.StreamResponse(status=status, headers=headers)
+        if end is not None:
+            resp.content_length = end - start  # else chunked
+        request[T_RESP] = resp
+        await resp.prepare(request)
+        if request.method == "HEAD" or start == end:
+            await resp.write_eof()
+            return resp
+        cut = await body.send(request, resp, start, end, lambda: _first_byte(request, cache))
+        if cut is not None:
+            log.warning("aborting %s %s: %s", request.method, request.raw_path, cut)
+            _abort_client(request)
+            return resp
+        await resp.write_eof()
+        return resp
+    finally:
+        body.close()
+
+
 async def _revalidate(request: web.Request, url: str, entry: Entry) -> Entry | None:
     """Ask the upstream whether an aged entry is current (one request however many
     clients ask at once). The entry when it is (a 304); None when it changed (it is
@@ -678,50 +817,7 @@ async def _ask_upstream(app: web.Application, url: str, entry: Entry) -> Entry |
 async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse | None:
     """Serve a hit; None when the entry file turned out missing or replaced (the caller
     forgets the entry and looks again)."""
-    app = request.app
-    headers = _base_headers("HIT", entry.etag, entry.last_modified)
-    cond, brange = _decide(request, entry.size, entry.etag, entry.last_modified)
-    store, tier = app[STORE], app[HITS]
-    if cond is not None:
-        store.touch(entry)
-        return _not_modified(cond, headers)
-    if tier.cacheable(entry):
-        data = tier.small(entry)
-        if data is None:
-            data = tier.load(entry)
-            if data is None:
-                return None
-        store.touch(entry)
-        if brange is not None:
-            data = data[brange.start : brange.end + 1]
-            headers["Content-Range"] = brange.content_range
-        # the upstream's type as it was sent: web.Response(content_type=) refuses one
-        # with parameters ("text/plain; charset=utf-8")
-        headers["Content-Type"] = entry.content_type or DEFAULT_TYPE
-        resp = web.Response(body=data, status=206 if brange is not None else 200, headers=headers)
-        app[METRICS].ttfb.labels(cache="HIT").observe(time.monotonic() - request[T_START])
-        return resp
-    fobj = tier.open(entry)
-    if fobj is None:
-        return None
-    store.touch(entry)
-    try:
-        resp = web.StreamResponse(headers=headers)
-        _prepare_headers(resp, entry.size, brange, entry.content_type)
-        offset = brange.start if brange else 0
-        count = brange.length if brange else entry.size
-        request[T_RESP] = resp
-        await resp.prepare(request)
-        if request.method == "HEAD" or count == 0:
-            await resp.write_eof()
-            return resp
-        m = request.app[METRICS]
-        m.ttfb.labels(cache="HIT").observe(time.monotonic() - request[T_START])
-        await _send_file(request, resp, fobj, offset, count)
-        await resp.write_eof()
-        return resp
-    finally:
-        fobj.close()
+    return await _answer(request, entry.meta, "HIT", entry.size, _EntryBody(request, entry))
 
 
 async def _send_file(
@@ -1187,30 +1283,27 @@ async def _prefetch(request: web.Request) -> web.Response:
 # read plans
 
 
-def _plans_here(request: web.Request) -> Plans:
-    workers = request.app[SETTINGS].workers
-    if workers > 1:
-        raise ProxyError(
-            f"read plans need one proxy process; this one runs {workers} workers (--workers 1)",
-            status_hint=501,
-        )
-    return request.app[PLANS]
+async def _plans_here(request: web.Request) -> Plans:
+    """The plans, up to date with the other workers' progress."""
+    plans = request.app[PLANS]
+    await plans.sync(force=True)
+    return plans
 
 
 async def _plans_list(request: web.Request) -> web.Response:
-    plans = _plans_here(request)
+    plans = await _plans_here(request)
     now = time.monotonic()
     return web.json_response({"plans": [p.status(now) for p in plans]})
 
 
 async def _plans_get(request: web.Request) -> web.Response:
-    plan = _plans_here(request).get(request.match_info["id"])
+    plan = (await _plans_here(request)).get(request.match_info["id"])
     return web.json_response(plan.status(time.monotonic()))
 
 
 async def _plans_add(request: web.Request) -> web.Response:
     _require_admin(request)
-    plans = _plans_here(request)
+    plans = request.app[PLANS]
     try:
         body = await request.json()
     except (ValueError, UnicodeDecodeError) as exc:
@@ -1223,7 +1316,7 @@ async def _plans_add(request: web.Request) -> web.Response:
                 f"plan has more than {limit} shards (--max-plan-shards)", status_hint=413
             )
         urls.append(_plan_url(request, u))
-    plan = plans.add(urls, body.get("name"), body.get("lookahead"))
+    plan = await plans.register(urls, body.get("name"), body.get("lookahead"))
     status = plan.status(time.monotonic())
     return web.json_response(
         {
@@ -1286,7 +1379,7 @@ def _is_me(request: web.Request, scheme: str, netloc: str) -> bool:
 
 async def _plans_delete(request: web.Request) -> web.Response:
     _require_admin(request)
-    _plans_here(request).remove(request.match_info["id"])
+    await request.app[PLANS].unregister(request.match_info["id"])
     return web.json_response({"removed": True})
 
 
