@@ -20,6 +20,10 @@ With plans registered the proxy
 
 A plan whose reader made no request for ``--plan-ttl`` seconds is dropped, so a crashed
 job never pins the cache.
+
+With ``serve --workers N`` the processes share their plans through the store's index
+(:meth:`Plans.sync`, a few times a second): a plan registered on one worker is known to
+all, every worker's requests move it, and its counters add up.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import asyncio
 import bisect
 import collections
 import contextlib
+import json
 import logging
 import math
 import secrets
@@ -96,6 +101,10 @@ class Plan:
     downloading: int = 0
     window: int = 0
     _where: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    # the counters (wait_seconds, planned_hits, requests, behind_bytes) when last merged
+    # with the other workers' (serve --workers N)
+    _synced: tuple[float, int, int, int] = (0.0, 0, 0, 0)
+    seen_wall: float = field(default_factory=time.time)
     _reads: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=RATE_SAMPLES), repr=False
     )
@@ -127,6 +136,7 @@ class Plan:
     def advance(self, idx: int, now: float) -> None:
         """The reader asked for shard ``idx``."""
         self.seen = now
+        self.seen_wall = time.time()
         self.requests += 1
         if idx >= self.position:  # else it asked again for the shard just read
             self.position = idx + 1
@@ -139,6 +149,41 @@ class Plan:
         if nbytes:
             self.behind_bytes += nbytes
             self._reads.append((now, nbytes))
+
+    def doc(self) -> str:
+        """The plan as the other workers need it (JSON)."""
+        return json.dumps(
+            {
+                "name": self.name,
+                "urls": self.urls,
+                "lookahead_shards": self.lookahead_shards,
+                "lookahead_bytes": self.lookahead_bytes,
+                "created": self.created,
+            }
+        )
+
+    def pending(self) -> tuple[int, float, float, int, int, int]:
+        """(position, last seen, and each counter's growth since the last merge)."""
+        w, h, r, b = self._synced
+        return (
+            self.position,
+            self.seen_wall,
+            self.wait_seconds - w,
+            self.planned_hits - h,
+            self.requests - r,
+            self.behind_bytes - b,
+        )
+
+    def merged(self, row: tuple[int, float, float, int, int, int], now: float) -> None:
+        """Take every worker's totals (a row of :meth:`Store.plans_sync`)."""
+        pos, seen_wall, wait, hits, reqs, behind = row
+        self.position = max(self.position, int(pos))
+        if seen_wall > self.seen_wall:  # another worker's request came later
+            self.seen = now - max(0.0, time.time() - seen_wall)
+            self.seen_wall = seen_wall
+        self.wait_seconds, self.planned_hits = float(wait), int(hits)
+        self.requests, self.behind_bytes = int(reqs), int(behind)
+        self._synced = (self.wait_seconds, self.planned_hits, self.requests, self.behind_bytes)
 
     def read_rate(self) -> float | None:
         """Bytes per second the reader consumed over its last shards; None until known."""
@@ -185,8 +230,11 @@ class Plans:
         default_lookahead: int,
         max_plans: int,
         max_shards: int,
+        shared: bool = False,
     ) -> None:
         self.store = store
+        self.shared = shared  # several processes: plans meet in the store's index
+        self._synced_at = 0.0
         self.metrics = metrics
         self.ttl = ttl
         self.default_lookahead = default_lookahead
@@ -209,7 +257,64 @@ class Plans:
 
     # -- registry ------------------------------------------------------------------------
 
-    def add(self, urls: Sequence[str], name: str | None, lookahead: Any = None) -> Plan:
+    async def register(self, urls: Sequence[str], name: Any, lookahead: Any = None) -> Plan:
+        """Add a plan; with several workers, make it known to all of them."""
+        if self.shared:
+            await self.sync(force=True)
+        plan = self.add(urls, name, lookahead)
+        if self.shared:
+            try:
+                await asyncio.to_thread(self.store.plan_put, plan.id, plan.doc())
+            except BaseException:
+                self._drop(plan.id)
+                raise
+        return plan
+
+    async def unregister(self, plan_id: str) -> Plan:
+        """Delete a plan (in every worker)."""
+        if self.shared:
+            await self.sync(force=True)
+            self.get(plan_id)  # NotFound when no worker knows it
+            await asyncio.to_thread(self.store.plan_delete, plan_id)
+        return self.remove(plan_id)
+
+    async def sync(self, *, force: bool = False) -> None:
+        """Merge progress with the other workers (several processes only), at most five
+        times a second unless ``force``."""
+        if not self.shared:
+            return
+        now = time.monotonic()
+        if not force and now - self._synced_at < 0.2:
+            return
+        self._synced_at = now
+        updates = {pid: p.pending() for pid, p in self._plans.items()}
+        rows, docs = await asyncio.to_thread(
+            self.store.plans_sync, updates, time.time() - self.ttl, set(self._plans)
+        )
+        for pid in [pid for pid in self._plans if pid not in rows]:
+            self._drop(pid, "ended (deleted or expired)")
+        for pid, doc in docs.items():
+            if pid in self._plans:
+                continue
+            d = json.loads(doc)
+            urls = tuple(d["urls"])
+            plan = Plan(
+                id=pid,
+                name=d.get("name") or "",
+                urls=urls,
+                keys=tuple(self.store.key(u) for u in urls),
+                lookahead_shards=int(d["lookahead_shards"]),
+                lookahead_bytes=d.get("lookahead_bytes"),
+                created=float(d.get("created") or time.time()),
+            )
+            self._plans[pid] = plan
+        now = time.monotonic()
+        for pid, row in rows.items():
+            self._plans[pid].merged(row, now)
+        self.metrics.plans.set(len(self._plans))
+        self._touch()
+
+    def add(self, urls: Sequence[str], name: Any, lookahead: Any = None) -> Plan:
         if not urls:
             raise BadRequest("a plan needs at least one URL")
         if len(urls) > self.max_shards:
@@ -255,6 +360,17 @@ class Plans:
             raise NotFound(f"no plan {plan_id!r} (it ended, was deleted or expired)")
         return plan
 
+    def _drop(self, plan_id: str, why: str = "") -> None:
+        plan = self._plans.pop(plan_id, None)
+        if plan is None:
+            return
+        with contextlib.suppress(KeyError):
+            self.metrics.plan_ready_ahead.remove(plan.id)
+        self.metrics.plans.set(len(self._plans))
+        self._touch()
+        if why:
+            log.info("plan %s %s", plan.id, why)
+
     def remove(self, plan_id: str, why: str = "deleted") -> Plan:
         plan = self._plans.pop(plan_id, None)
         if plan is None:
@@ -274,6 +390,8 @@ class Plans:
         return plan
 
     def expire(self, now: float) -> list[Plan]:
+        if self.shared:
+            return []  # the shared table decides (sync), from every worker's requests
         gone = [p for p in self._plans.values() if now - p.seen > self.ttl]
         for p in gone:
             self.remove(p.id, f"expired after {self.ttl:g} s without a request")
@@ -382,7 +500,9 @@ class Scheduler:
                 log.exception("read-plan scheduling pass failed")
             self.plans.changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.plans.changed.wait(), TICK)
+                # several workers learn each other's progress from the index
+                tick = TICK / 4 if self.plans.shared and len(self.plans) else TICK
+                await asyncio.wait_for(self.plans.changed.wait(), tick)
 
     def _lookahead(self, plan: Plan) -> int:
         """``plan``'s lookahead in shards: its count, or its bytes over the typical shard
@@ -404,6 +524,7 @@ class Scheduler:
         return max(1, min(lookahead, need))
 
     async def step(self) -> None:
+        await self.plans.sync()
         now = time.monotonic()
         self.plans.expire(now)
         running = self._running

@@ -419,6 +419,20 @@ def _is_del(name: str) -> bool:
 
 _HOST = socket.gethostname()
 
+_PLANS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS plans (
+    id TEXT PRIMARY KEY,            -- read plans of a proxy with several processes
+    doc TEXT NOT NULL,              -- JSON: name, urls, lookahead
+    created REAL NOT NULL,
+    seen REAL NOT NULL,             -- the reader's last request (wall clock)
+    position INTEGER NOT NULL DEFAULT 0,
+    wait REAL NOT NULL DEFAULT 0,
+    hits INTEGER NOT NULL DEFAULT 0,
+    requests INTEGER NOT NULL DEFAULT 0,
+    behind INTEGER NOT NULL DEFAULT 0
+)
+"""
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
     key TEXT PRIMARY KEY,
@@ -1108,6 +1122,65 @@ class Store:
         if not next_use and not protected:
             return None
         return next_use, protected
+
+    # -- read plans shared by the processes of one proxy (serve --workers N) -------------
+
+    def _plans_table(self, conn: sqlite3.Connection) -> None:
+        """The plans table, created on first use. It is not part of the entry format:
+        an index without it, or a shardcache that does not know it, works the same."""
+        conn.execute(_PLANS_SCHEMA)
+
+    def plan_put(self, plan_id: str, doc: str, now: float | None = None) -> None:
+        """Register plan ``plan_id`` (``doc``: its JSON description) for every process."""
+        now = time.time() if now is None else now
+        with self._tx() as conn:
+            self._plans_table(conn)
+            conn.execute(
+                "INSERT INTO plans (id, doc, created, seen) VALUES (?, ?, ?, ?)",
+                (plan_id, doc, now, now),
+            )
+
+    def plan_delete(self, plan_id: str) -> bool:
+        """Remove plan ``plan_id``; False when no process knew it."""
+        with self._tx() as conn:
+            self._plans_table(conn)
+            return conn.execute("DELETE FROM plans WHERE id = ?", (plan_id,)).rowcount > 0
+
+    def plans_sync(
+        self,
+        updates: Mapping[str, tuple[int, float, float, int, int, int]],
+        expire_before: float,
+        known: Collection[str],
+    ) -> tuple[dict[str, tuple[int, float, float, int, int, int]], dict[str, str]]:
+        """Merge this process's plan progress into the shared table and read everyone's.
+
+        ``updates``: plan id -> (position, last seen, and the wait seconds, planned hits,
+        requests and bytes read since the last sync). Positions and last-seen times take
+        the largest value, the rest add up. Plans not seen since ``expire_before`` are
+        dropped. Returns (id -> the merged row, id -> the JSON description of each plan
+        not in ``known``).
+        """
+        with self._tx() as conn:
+            self._plans_table(conn)
+            for pid, (pos, seen, wait, hits, reqs, behind) in updates.items():
+                conn.execute(
+                    "UPDATE plans SET position = MAX(position, ?), seen = MAX(seen, ?), "
+                    "wait = wait + ?, hits = hits + ?, requests = requests + ?, "
+                    "behind = behind + ? WHERE id = ?",
+                    (pos, seen, wait, hits, reqs, behind, pid),
+                )
+            conn.execute("DELETE FROM plans WHERE seen < ?", (expire_before,))
+            rows = conn.execute(
+                "SELECT id, position, seen, wait, hits, requests, behind FROM plans"
+            ).fetchall()
+            merged = {r[0]: tuple(r[1:]) for r in rows}
+            docs = {}
+            for pid in merged:
+                if pid not in known:
+                    docs[pid] = conn.execute(
+                        "SELECT doc FROM plans WHERE id = ?", (pid,)
+                    ).fetchone()[0]
+        return merged, docs  # type: ignore[return-value]
 
     def room_for(self, planned: Collection[str]) -> int:
         """Bytes that could be admitted now without evicting an entry whose key is in

@@ -255,7 +255,47 @@ def test_idle_plans_expire(rig) -> None:
     assert "expired" in proxy.log_text()
 
 
-def test_workers_refuse_plans_clearly(rig) -> None:
-    _, proxy = rig(_files(1), "--workers", "2")
-    status, text, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"]})
-    assert status == 501 and "--workers 1" in text
+def test_plans_are_shared_by_the_workers_of_one_port(rig) -> None:
+    files = _files(8)
+    origin, proxy = rig(files, "--workers", "2", "--plan-ttl", "30")
+    status, body, _ = _call(proxy, "POST", "/-/plans", {"pattern": "/s{00..07}.tar", "lookahead": 2})
+    assert status == 201, body
+    pid = body["id"]
+    # each call is a new connection: the kernel spreads them over both workers
+    for _ in range(6):
+        assert _call(proxy, "GET", f"/-/plans/{pid}")[0] == 200
+    for i in range(8):
+        status, _, data = _get(proxy, f"s{i:02d}.tar")
+        assert status == 200 and len(data) == SHARD
+    _wait(
+        lambda: _call(proxy, "GET", f"/-/plans/{pid}")[1]["requests"] == 8,
+        what="every worker's requests counted",
+    )
+    st = _call(proxy, "GET", f"/-/plans/{pid}")[1]
+    assert st["position"] == 8 and st["done"]
+    assert all(origin.gets[f"s{i:02d}.tar"] == 1 for i in range(8)), origin.gets
+    assert _call(proxy, "DELETE", f"/-/plans/{pid}")[0] == 200
+    for _ in range(4):
+        assert _call(proxy, "GET", f"/-/plans/{pid}")[0] == 404
+    assert _call(proxy, "GET", "/-/plans")[1] == {"plans": []}
+
+
+def test_store_merges_plan_progress_of_several_processes(tmp_path: Path) -> None:
+    from shardcache.store import Store
+
+    a = Store(tmp_path / "c", 1 << 30)
+    b = Store(tmp_path / "c", 1 << 30)  # another process's handle of the same index
+    a.plan_put("p-1", '{"urls": []}', now=100.0)
+    rows, docs = b.plans_sync({}, expire_before=0.0, known=set())
+    assert docs == {"p-1": '{"urls": []}'} and rows["p-1"][0] == 0
+    # positions and last-seen times take the largest, counters add up
+    a.plans_sync({"p-1": (5, 110.0, 1.5, 2, 5, 500)}, 0.0, {"p-1"})
+    rows, docs = b.plans_sync({"p-1": (3, 105.0, 0.5, 1, 3, 300)}, 0.0, {"p-1"})
+    assert docs == {}
+    assert rows["p-1"] == (5, 110.0, 2.0, 3, 8, 800)
+    # a plan nobody read since the TTL began is dropped for everyone
+    rows, _ = a.plans_sync({}, expire_before=111.0, known={"p-1"})
+    assert rows == {}
+    assert not b.plan_delete("p-1")
+    a.close()
+    b.close()
