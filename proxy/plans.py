@@ -53,9 +53,10 @@ log = logging.getLogger(__name__)
 
 PLAN_HEADER = "X-Shardcache-Plan"  # a data request naming the plan it reads for
 MAX_NAME = 200
-HORIZON = 20_000  # shards of each plan looked at for next uses: beyond that, "far"
+HORIZON = 10_000  # shards of each plan looked at for next uses: beyond that, "far"
 RATE_SAMPLES = 16  # the read rate is measured over a plan's last this many shards
 TICK = 1.0  # seconds between scheduling passes when nothing wakes the scheduler
+MIN_GAP = 0.02  # seconds between passes at least: a stream of hits must not keep it busy
 
 
 def parse_lookahead(value: Any) -> tuple[int | None, int | None]:
@@ -491,18 +492,22 @@ class Scheduler:
         return len(self._queue)
 
     async def run(self) -> None:
+        changed = self.plans.changed
         while True:
+            changed.clear()  # what happens from here on wakes the next pass
             try:
                 await self.step()
             except asyncio.CancelledError:
                 raise
             except Exception:  # a pass must never end the scheduler
                 log.exception("read-plan scheduling pass failed")
-            self.plans.changed.clear()
+            await asyncio.sleep(MIN_GAP)
+            if changed.is_set():
+                continue
             with contextlib.suppress(asyncio.TimeoutError):
                 # several workers learn each other's progress from the index
                 tick = TICK / 4 if self.plans.shared and len(self.plans) else TICK
-                await asyncio.wait_for(self.plans.changed.wait(), tick)
+                await asyncio.wait_for(changed.wait(), tick)
 
     def _lookahead(self, plan: Plan) -> int:
         """``plan``'s lookahead in shards: its count, or its bytes over the typical shard
