@@ -28,7 +28,12 @@ from urllib.parse import urlsplit
 
 from proxy.policy import Upstream, parse_min_free, parse_revalidate, parse_size
 from shardcache.errors import BadRequest, ConfigError
-from shardcache.store import DEFAULT_MIN_FREE_CAP, DEFAULT_MIN_FREE_FRACTION, POLICIES
+from shardcache.store import (
+    DEFAULT_MIN_FREE_CAP,
+    DEFAULT_MIN_FREE_FRACTION,
+    DEFAULT_POLICY,
+    POLICIES,
+)
 
 __all__ = [
     "CONFIG_FILE",
@@ -336,7 +341,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("log_level", "info", "lowest level of the messages logged", choices=LOG_LEVELS),
     Setting(
         "eviction",
-        "lru",
+        DEFAULT_POLICY,
         "what makes room once the cache is full: evict the least recently used or the "
         "oldest entries, or keep them all and stop admitting new ones",
         choices=EVICTION_POLICIES,

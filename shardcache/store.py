@@ -89,6 +89,7 @@ log = logging.getLogger(__name__)
 
 EvictionPolicy = Literal["lru", "fifo", "keep"]
 POLICIES: tuple[str, ...] = ("lru", "fifo", "keep")
+DEFAULT_POLICY: EvictionPolicy = "lru"  # the proxy's --eviction default too
 
 INDEX_NAME = ".shardcache.sqlite"
 PART_SUFFIX = ".part"
@@ -536,7 +537,7 @@ class Store:
         self,
         cache_dir: str | os.PathLike,
         cache_size: int = 10**15,
-        policy: EvictionPolicy = "lru",
+        policy: EvictionPolicy = DEFAULT_POLICY,
         on_evict: Callable[[Entry], None] | None = None,
         *,
         reconcile: bool = True,
