@@ -56,6 +56,7 @@ MAX_NAME = 200
 HORIZON = 10_000  # shards of each plan looked at for next uses: beyond that, "far"
 RATE_SAMPLES = 16  # the read rate is measured over a plan's last this many shards
 TICK = 1.0  # seconds between scheduling passes when nothing wakes the scheduler
+RETRY_FIRST, RETRY_MAX = 1.0, 60.0  # a failed background download waits before the next
 MIN_GAP = 0.02  # seconds between passes at least: a stream of hits must not keep it busy
 
 
@@ -473,6 +474,9 @@ class Scheduler:
         self._shard_bytes: float | None = None  # a shard's size, smoothed
         self._room: tuple[float, int] = (0.0, 0)  # (when, bytes) free for extended lookahead
         self.prefetched = {"ok": 0, "failed": 0}
+        # url -> (monotonic time before which it is not tried again, failures so far): a
+        # shard that fails or is not admitted is not asked for again on every pass
+        self._backoff: dict[str, tuple[float, int]] = {}
 
     # -- work ----------------------------------------------------------------------------
 
@@ -615,6 +619,9 @@ class Scheduler:
         return room
 
     async def _launch(self, url: str, reason: str) -> bool:
+        wait = self._backoff.get(url)
+        if wait is not None and time.monotonic() < wait[0]:
+            return False
         try:
             dl = await self._start(url, reason)
         except Exception as exc:
@@ -637,6 +644,20 @@ class Scheduler:
             if body is not None:
                 body.close()
             ok = dl.state is State.DONE
+            if not ok:
+                _, n = self._backoff.get(url, (0.0, 0))
+                delay = min(RETRY_MAX, RETRY_FIRST * 2**n)
+                self._backoff[url] = (time.monotonic() + delay, n + 1)
+                if len(self._backoff) > 100_000:
+                    self._backoff.clear()
+                log.info(
+                    "background download of %s ended %s; next try in %.0f s",
+                    url,
+                    dl.state.name.lower(),
+                    delay,
+                )
+            else:
+                self._backoff.pop(url, None)
             if ok:
                 self.metrics.prefetch_bytes.labels(reason=reason).inc(dl.written)
                 took = time.monotonic() - began

@@ -258,7 +258,9 @@ def test_idle_plans_expire(rig) -> None:
 def test_plans_are_shared_by_the_workers_of_one_port(rig) -> None:
     files = _files(8)
     origin, proxy = rig(files, "--workers", "2", "--plan-ttl", "30")
-    status, body, _ = _call(proxy, "POST", "/-/plans", {"pattern": "/s{00..07}.tar", "lookahead": 2})
+    status, body, _ = _call(
+        proxy, "POST", "/-/plans", {"pattern": "/s{00..07}.tar", "lookahead": 2}
+    )
     assert status == 201, body
     pid = body["id"]
     # each call is a new connection: the kernel spreads them over both workers
@@ -299,3 +301,37 @@ def test_store_merges_plan_progress_of_several_processes(tmp_path: Path) -> None
     assert not b.plan_delete("p-1")
     a.close()
     b.close()
+
+
+def test_a_failing_planned_shard_is_retried_with_backoff_not_hammered(rig) -> None:
+    files = _files(3)
+    origin, proxy = rig(files, faults={"s01.tar": Fault(status=500)})
+    status, body, _ = _call(proxy, "POST", "/-/plans", {"pattern": "/s{00..02}.tar"})
+    assert status == 201
+    _wait(lambda: origin.gets["s02.tar"] == 1, what="the lookahead")
+    time.sleep(2.0)
+    # 1 s, then 2 s between tries: at most three in about two seconds
+    assert 1 <= origin.gets["s01.tar"] <= 3, origin.gets
+    assert _get(proxy, "s01.tar")[0] == 502
+    assert "next try" in proxy.log_text()
+
+
+def test_a_lookahead_download_cut_by_the_origin_is_never_committed(rig) -> None:
+    files = _files(2)
+    # every GET of s01 is cut half-way: no resume can complete it
+    faults = {"s01.tar": Fault(truncate_at=SHARD // 2)}
+    origin, proxy = rig(files, "--retries", "1", faults=faults)
+    status, body, _ = _call(proxy, "POST", "/-/plans", {"pattern": "/s{00..01}.tar"})
+    assert status == 201
+    _wait(lambda: origin.gets["s01.tar"] >= 2, what="the lookahead and its resume")
+    time.sleep(0.3)
+    st = _call(proxy, "GET", f"/-/plans/{body['id']}")[1]
+    assert st["ready_ahead_shards"] <= 1  # s00 at most: s01 never became an entry
+    # the reader's own request fails visibly: the connection breaks, never a short body
+    req = urllib.request.Request(proxy.url + "/s01.tar")
+    with pytest.raises(Exception) as info:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            data = r.read()
+            assert len(data) == SHARD, "a short body must not end cleanly"
+    assert not isinstance(info.value, AssertionError), info.value
+    assert list((proxy.cache_dir).glob("*.part")) == []
