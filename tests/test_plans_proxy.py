@@ -335,3 +335,20 @@ def test_a_lookahead_download_cut_by_the_origin_is_never_committed(rig) -> None:
             assert len(data) == SHARD, "a short body must not end cleanly"
     assert not isinstance(info.value, AssertionError), info.value
     assert list((proxy.cache_dir).glob("*.part")) == []
+
+
+def test_plan_downloads_go_before_plain_prefetch(rig) -> None:
+    files = _files(6)
+    slow = {f"s{i:02d}.tar": Fault(delay=0.02, chunk=32 << 10) for i in range(6)}  # ~0.16 s
+    origin, proxy = rig(files, "--prefetch-concurrency", "1", faults=slow)
+    status, _, _ = _call(proxy, "POST", "/-/prefetch", {"pattern": "/s{00..03}.tar"})
+    assert status == 202
+    _wait(lambda: sum(origin.gets.values()) >= 1, what="the first prefetch")
+    status, _, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s05.tar", "/s04.tar"]})
+    assert status == 201
+    _wait(lambda: sum(origin.gets.values()) == 6, timeout=30, what="all downloads")
+    order = [name for name, _, _ in origin.ranges]
+    # one background download at a time: the plan's two come right after the prefetch
+    # download that was running when the plan arrived
+    assert order.index("s05.tar") <= 2 and order.index("s04.tar") <= 3, order
+    assert order[-1] in ("s02.tar", "s03.tar"), order
