@@ -595,42 +595,6 @@ def _decide(
         raise
 
 
-def _prepare_headers(
-    resp: web.StreamResponse, size: int | None, brange: ByteRange | None, content_type: str | None
-) -> None:
-    resp.content_type = content_type or DEFAULT_TYPE
-    if brange is not None:
-        resp.set_status(206)
-        resp.headers["Content-Range"] = brange.content_range
-        resp.content_length = brange.length
-    elif size is not None:
-        resp.content_length = size
-
-
-async def _respond(
-    request: web.Request,
-    meta: ObjectMeta,
-    cache: str,
-    size: int | None,
-    extra: dict[str, str] | None = None,
-) -> tuple[web.StreamResponse, ByteRange | None]:
-    """Start the answer about version ``meta`` (``size`` bytes, None while unknown):
-    headers, conditionals and Range decided, the response prepared, with the byte range
-    to send (None: all). A conditional request answered without a body (304/412) gets
-    that response unprepared: the caller returns it as it is."""
-    headers = _base_headers(cache, meta.etag, meta.last_modified)
-    if extra:
-        headers.update(extra)
-    cond, brange = _decide(request, size, meta.etag, meta.last_modified)
-    if cond is not None:
-        return _not_modified(cond, headers), None
-    resp = web.StreamResponse(headers=headers)
-    _prepare_headers(resp, size, brange, meta.content_type)
-    request[T_RESP] = resp
-    await resp.prepare(request)
-    return resp, brange
-
-
 def _not_modified(status: int, headers: dict[str, str]) -> web.Response:
     if status == 304:
         return web.Response(status=304, headers=headers)
@@ -653,10 +617,6 @@ class _Body:
     as one ``web.Response`` instead."""
 
     data: bytes | None = None
-
-    def ready(self) -> bool:
-        """Before the answer: False when the bytes are gone (nothing has been sent)."""
-        return True
 
     async def send(
         self,
@@ -685,7 +645,9 @@ class _EntryBody(_Body):
         self.entry = entry
         self.fobj: Any = None
 
-    def ready(self) -> bool:
+    def open(self) -> bool:
+        """Find the entry's bytes (and record the access); False when its file is gone
+        or replaced."""
         tier, entry = self.tier, self.entry
         if tier.cacheable(entry):
             self.data = tier.small(entry)
@@ -718,7 +680,7 @@ class _EntryBody(_Body):
 
 
 class _NoBody(_Body):
-    """An answer that never has a body (HEAD answered from the upstream's metadata)."""
+    """The body of an answer that has none (HEAD without an upstream body)."""
 
 
 async def _answer(
@@ -728,15 +690,13 @@ async def _answer(
     size: int | None,
     body: _Body,
     extra: dict[str, str] | None = None,
-) -> web.StreamResponse | None:
+) -> web.StreamResponse:
     """Answer with version ``meta`` of the object (``size`` bytes, None while unknown)
     and its bytes from ``body``: headers built, conditionals and Range decided (a 304/412
     without a body, RangeNotSatisfiable for a 416), the response prepared, the byte range
     sent and the response ended — or the connection aborted when ``body`` reports a
-    cut. None when ``body`` is gone before anything was answered."""
+    cut. ``body`` is closed when the answer ends."""
     try:
-        if not body.ready():
-            return None
         headers = _base_headers(cache, meta.etag, meta.last_modified)
         if extra:
             headers.update(extra)
@@ -817,7 +777,10 @@ async def _ask_upstream(app: web.Application, url: str, entry: Entry) -> Entry |
 async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse | None:
     """Serve a hit; None when the entry file turned out missing or replaced (the caller
     forgets the entry and looks again)."""
-    return await _answer(request, entry.meta, "HIT", entry.size, _EntryBody(request, entry))
+    body = _EntryBody(request, entry)
+    if not body.open():
+        return None
+    return await _answer(request, entry.meta, "HIT", entry.size, body)
 
 
 async def _send_file(
@@ -878,57 +841,59 @@ async def _serve_download(request: web.Request, dl: Download, cache: str) -> web
             _waited(request, since)
     if dl.state is State.BYPASS:
         return await _serve_bypass(request, dl.url, dl)
-    meta = dl.meta
-    size = dl.known_size
-    resp, brange = await _respond(request, meta, cache, size)
-    if not resp.prepared:
-        return resp
-    if request.method == "HEAD":
-        await resp.write_eof()
-        return resp
-    if (
-        brange is not None
-        and dl.state is State.STREAMING
-        and brange.start > dl.written + DIRECT_RANGE_AHEAD
-        and can_resume(meta)
-    ):
-        # far ahead of the download: read this version's bytes straight from the upstream
-        chunks = request.app[FETCHER].read_range(dl.url, brange.start, brange.end + 1, meta=meta)
-        await _send_chunks(request, resp, chunks, 0, brange.length, cache)
-        return resp
-    m = request.app[METRICS]
+    return await _answer(request, dl.meta, cache, dl.known_size, _DownloadBody(dl))
 
-    def first_byte() -> None:
-        m.ttfb.labels(cache=cache).observe(time.monotonic() - request[T_START])
 
-    async def write(data: bytes) -> None:
-        await resp.write(data)
-        request[T_BYTES] += len(data)
+class _DownloadBody(_Body):
+    """A download in progress: the written prefix of its ``.part`` file by threaded
+    ``sendfile`` (``write`` when the response is chunked), the object's last byte held
+    back until the entry is committed; a range far ahead of the download straight from
+    the upstream."""
 
-    start = brange.start if brange else 0
-    end = brange.end + 1 if brange else size
+    def __init__(self, dl: Download):
+        self.dl = dl
 
-    async def send(fobj: Any, offset: int, count: int) -> int:
-        return await _send_file(request, resp, fobj, offset, count, threaded=True)
+    async def send(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        start: int,
+        end: int | None,
+        first_byte: Callable[[], None],
+    ) -> str | None:
+        dl = self.dl
+        if (
+            end is not None
+            and dl.state is State.STREAMING
+            and start > dl.written + DIRECT_RANGE_AHEAD
+            and can_resume(dl.meta)
+        ):
+            # far ahead of the download: read this version's bytes straight from the upstream
+            chunks = request.app[FETCHER].read_range(dl.url, start, end, meta=dl.meta)
+            return await _ChunkBody(chunks, start).send(request, resp, start, end, first_byte)
 
-    # followers send the written prefix of the .part file straight from the page cache;
-    # a chunked response (size unknown) needs the writer's framing, so it gets write()
-    framed = resp.content_length is None
-    try:
-        await dl.stream(
-            write,
-            start,
-            end,
-            first_byte,
-            send=None if framed else send,
-            on_wait=lambda since: _waited(request, since),
-        )
-    except DownloadFailed as exc:
-        log.warning("aborting %s %s: %s", request.method, request.raw_path, exc)
-        _abort_client(request)
-        return resp
-    await resp.write_eof()
-    return resp
+        async def write(data: bytes) -> None:
+            await resp.write(data)
+            request[T_BYTES] += len(data)
+
+        async def send(fobj: Any, offset: int, count: int) -> int:
+            return await _send_file(request, resp, fobj, offset, count, threaded=True)
+
+        # followers send the written prefix of the .part file straight from the page cache;
+        # a chunked response (size unknown) needs the writer's framing, so it gets write()
+        framed = resp.content_length is None
+        try:
+            await dl.stream(
+                write,
+                start,
+                end,
+                first_byte,
+                send=None if framed else send,
+                on_wait=lambda since: _waited(request, since),
+            )
+        except DownloadFailed as exc:
+            return str(exc)
+        return None
 
 
 async def _serve_bypass(
@@ -949,71 +914,62 @@ async def _serve_bypass(
     try:
         meta: ObjectMeta = body.meta if body is not None else dl.meta  # type: ignore[union-attr]
         extra = {"Cache-Control": meta.cache_control} if meta.cache_control else None
-        resp, brange = await _respond(request, meta, "BYPASS", meta.size, extra)
-        if not resp.prepared:
-            return resp
-        if body is None or request.method == "HEAD":
-            await resp.write_eof()
-            return resp
-        lo = brange.start if brange else 0
-        hi = brange.end + 1 if brange else None
-        await _send_chunks(request, resp, body.chunks(), lo, hi, "BYPASS")
-        return resp
+        source = _NoBody() if body is None else _ChunkBody(body.chunks())
+        return await _answer(request, meta, "BYPASS", meta.size, source, extra)
     finally:
         if body is not None:
             body.close()
 
 
-async def _send_chunks(
-    request: web.Request,
-    resp: web.StreamResponse,
-    chunks: AsyncIterator[bytes],
-    lo: int,
-    hi: int | None,
-    cache: str,
-) -> None:
-    """Send bytes ``[lo, hi)`` of a stream of the object's bytes from byte 0 (``lo`` 0
-    and ``hi`` None for all of them) and end the response; abort the connection when the
-    stream fails, so a cut body never looks like a clean end."""
-    pos = 0
-    first = True
-    it = aiter(chunks)
-    try:
-        while True:
-            since = time.monotonic()
-            try:
-                chunk = await anext(it)
-            except StopAsyncIteration:
-                break
-            finally:
-                _waited(request, since)
-            a, b = pos, pos + len(chunk)
-            pos = b
-            if b <= lo:
-                continue
-            piece = chunk[max(0, lo - a) : (len(chunk) if hi is None else max(0, hi - a))]
-            if piece:
-                if first:
-                    first = False
-                    request.app[METRICS].ttfb.labels(cache=cache).observe(
-                        time.monotonic() - request[T_START]
-                    )
-                await resp.write(piece)
-                request[T_BYTES] += len(piece)
-            if hi is not None and pos >= hi:
-                break
-    except (IncompleteDownloadError, ProxyError) as exc:
-        log.warning("aborting %s %s: %s", request.method, request.raw_path, exc)
-        request.app[METRICS].failed_downloads.inc()
-        _abort_client(request)
-        return
-    if hi is not None and pos < hi:
-        log.warning(
-            "aborting %s %s: upstream ended at byte %d", request.method, request.raw_path, pos
-        )
-        _abort_client(request)
-        return
-    await resp.write_eof()
+class _ChunkBody(_Body):
+    """An upstream body streamed to one client; its first chunk starts at the object's
+    byte ``first``. The wait for every chunk counts as the client waiting."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], first: int = 0):
+        self.chunks = chunks
+        self.first = first
+
+    async def send(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        start: int,
+        end: int | None,
+        first_byte: Callable[[], None],
+    ) -> str | None:
+        lo = start - self.first
+        hi = None if end is None else end - self.first
+        pos = 0
+        first = True
+        it = aiter(self.chunks)
+        try:
+            while True:
+                since = time.monotonic()
+                try:
+                    chunk = await anext(it)
+                except StopAsyncIteration:
+                    break
+                finally:
+                    _waited(request, since)
+                a, b = pos, pos + len(chunk)
+                pos = b
+                if b <= lo:
+                    continue
+                piece = chunk[max(0, lo - a) : (len(chunk) if hi is None else max(0, hi - a))]
+                if piece:
+                    if first:
+                        first = False
+                        first_byte()
+                    await resp.write(piece)
+                    request[T_BYTES] += len(piece)
+                if hi is not None and pos >= hi:
+                    break
+        except (IncompleteDownloadError, ProxyError) as exc:
+            request.app[METRICS].failed_downloads.inc()
+            return str(exc)
+        if hi is not None and pos < hi:
+            return f"upstream ended at byte {self.first + pos}"
+        return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -1058,7 +1014,7 @@ async def _serve_cold(request: web.Request, url: str) -> web.StreamResponse | No
             raise
         finally:
             _waited(request, since)
-        return await _answer_head(request, meta, "MISS")
+        return await _answer(request, meta, "MISS", meta.size, _NoBody())
     header = request.headers.get("Range")
     if request.method != "GET" or header is None:
         return None
@@ -1076,27 +1032,12 @@ async def _serve_cold(request: web.Request, url: str) -> web.StreamResponse | No
         meta = answer.meta
         if should_admit(meta.size, request.app[INFLIGHT].cache_size):
             await _start_background(request, url)
-        headers = _base_headers("MISS", meta.etag, meta.last_modified)
-        wanted = answer.wanted
-        resp = web.StreamResponse(headers=headers)
-        _prepare_headers(resp, meta.size, wanted, meta.content_type)
-        request[T_RESP] = resp
-        await resp.prepare(request)
-        if answer.brange is None:  # the upstream ignored Range: slice the whole object
-            lo, hi = wanted.start, wanted.end + 1
-        else:
-            lo, hi = 0, wanted.length
-        await _send_chunks(request, resp, answer.body.chunks(), lo, hi, "MISS")
-        return resp
+        # the upstream's answer starts at the range's first byte, or at 0 when it ignored Range
+        first = 0 if answer.brange is None else answer.wanted.start
+        source = _ChunkBody(answer.body.chunks(), first)
+        return await _answer(request, meta, "MISS", meta.size, source)
     finally:
         answer.body.close()
-
-
-async def _answer_head(request: web.Request, meta: ObjectMeta, cache: str) -> web.StreamResponse:
-    resp, _ = await _respond(request, meta, cache, meta.size)
-    if resp.prepared:
-        await resp.write_eof()
-    return resp
 
 
 async def _start_background(request: web.Request, url: str) -> None:
