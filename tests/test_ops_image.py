@@ -1,6 +1,7 @@
 """Run the container image's exact ENTRYPOINT + CMD + ENV (parsed from docker/Dockerfile)
 in this virtualenv, and the example trainer through it: a healthy proxy, the image's own
-HEALTHCHECK command passing, the dashboard's metrics really exported, a clean SIGTERM."""
+HEALTHCHECK command passing, the dashboard's metrics really exported, a clean SIGTERM. And
+the pinned dependencies the image installs cover what the recipes in docker/ ask of it."""
 
 from __future__ import annotations
 
@@ -14,11 +15,16 @@ import time
 from pathlib import Path
 
 import pytest
+import tomllib
+import yaml
 from opshelpers import Origin, free_port, http_get, make_shard, wait_healthy
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from test_ops_lint import dashboard_exprs, dockerfile_final_stage, metric_names
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = str(Path(sys.executable).parent)
+LOCK = REPO / "docker" / "requirements.lock"
 
 
 def parse_env(arg: str) -> dict[str, str]:
@@ -175,3 +181,62 @@ def test_trainer_reads_through_the_proxy_and_prints_throughput(image_run, tmp_pa
     assert "sidecar /-/stats" in res.stdout
     # the second epoch came from the cache: one origin GET per shard in all
     assert [origin.gets[f"/ds/train-{i:06d}.tar"] for i in range(3)] == [1, 1, 1]
+
+
+# ------------------------------------------------------------------------------ the lock
+
+
+def yaml_strings(node) -> list[str]:
+    if isinstance(node, dict):
+        return [s for k, v in node.items() for s in yaml_strings(k) + yaml_strings(v)]
+    if isinstance(node, list):
+        return [s for v in node for s in yaml_strings(v)]
+    return [node] if isinstance(node, str) else []
+
+
+def s3_upstream_users() -> set[str]:
+    """The recipes under docker/ (compose files, Kubernetes manifests) with an s3://
+    value, comments left out."""
+    users = set()
+    for path in sorted((REPO / "docker").rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if any("s3://" in s for s in yaml_strings(doc)):
+                users.add(str(path.relative_to(REPO)))
+    return users
+
+
+def lock_misses(lock_text: str, extra: str) -> list[str]:
+    """The requirements of the package's ``extra`` that ``lock_text`` does not pin to a
+    version they allow."""
+    pins = {}
+    for line in lock_text.splitlines():
+        name, eq, version = line.partition("==")
+        if eq and not line.startswith("#"):
+            pins[canonicalize_name(name)] = version.strip()
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    misses = []
+    for spec in project["optional-dependencies"][extra]:
+        req = Requirement(spec)
+        pinned = pins.get(canonicalize_name(req.name))
+        if pinned is None or not req.specifier.contains(pinned, prereleases=True):
+            misses.append(f"{spec} (lock: {pinned})")
+    return misses
+
+
+def test_image_lock_holds_the_s3_extra_the_recipes_need():
+    users = s3_upstream_users()
+    assert {"docker/compose.yaml", "docker/k8s/configmap.yaml"} <= users
+    assert lock_misses(LOCK.read_text(), "s3") == [], (
+        f"{sorted(users)} use s3:// upstreams but docker/requirements.lock lacks the s3 "
+        "extra: regenerate it with docker/update-lock.sh"
+    )
+    # the lock's own recipe installs the extra
+    assert '".[s3]"' in (REPO / "docker" / "update-lock.sh").read_text()
+
+
+def test_lock_check_catches_a_missing_extra():
+    text = LOCK.read_text()
+    without = "\n".join(line for line in text.splitlines() if not line.startswith("aiobotocore"))
+    assert [m for m in lock_misses(without, "s3") if m.startswith("aiobotocore")]
+    too_old = re.sub(r"^aiobotocore==.*$", "aiobotocore==2.0.0", text, flags=re.M)
+    assert lock_misses(too_old, "s3")
