@@ -49,6 +49,25 @@ def test_a_mistyped_command_names_the_closest_one():
     assert "unknown command 'frobnicate' (choose from serve, check," in res.stderr
 
 
+def test_a_mistyped_flag_shows_the_subcommands_usage_and_the_closest_flag():
+    res = run_cli("serve", "--cache-dir", "x", "--upstream", "http://a", "--cache-sise", "5G")
+    assert res.returncode == 2
+    assert res.stderr.startswith("usage: shardcache serve ")
+    assert res.stderr.rstrip().endswith(
+        "shardcache serve: error: unrecognized arguments: --cache-sise 5G; "
+        "did you mean --cache-size?"
+    )
+    # a nested subcommand, the --flag=value form
+    res = run_cli("dbcache", "build", "x.db", "u", "--size", "1", "--codex=safe")
+    assert res.returncode == 2
+    assert res.stderr.startswith("usage: shardcache dbcache build ")
+    assert "unrecognized arguments: --codex=safe; did you mean --codec?" in res.stderr
+    # nothing close: the arguments alone
+    res = run_cli("stats", "--frobnicate")
+    assert res.stderr.startswith("usage: shardcache stats ")
+    assert res.stderr.rstrip().endswith("error: unrecognized arguments: --frobnicate")
+
+
 def test_check_reports_stray_files_and_leaves_them(tmp_path):
     from shardcache.store import Store
 

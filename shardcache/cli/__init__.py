@@ -11,6 +11,7 @@ import argparse
 import difflib
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -38,6 +39,38 @@ def closest_command(word: str, commands: Sequence[str]) -> str:
     if close:
         return f"unknown command {word!r}; did you mean {close[0]!r}?"
     return f"unknown command {word!r} (choose from {', '.join(commands)})"
+
+
+def closest_option(word: str, options: Sequence[str]) -> str | None:
+    """The option of ``options`` that ``word`` (``--cache-sise`` or ``--cache-sise=5G``)
+    was probably meant to be, or None."""
+    if not word.startswith("-"):
+        return None
+    close = difflib.get_close_matches(word.partition("=")[0], list(options), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def chosen_parser(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.ArgumentParser:
+    """The (sub)parser that ``args`` came from: down through each chosen subcommand."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs else None
+        if name not in (subs[0].choices if subs else {}):
+            return parser
+        parser = subs[0].choices[name]
+
+
+def unrecognized(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """The error for arguments that ``parser`` does not take, naming the closest option."""
+    options = [o for a in parser._actions for o in a.option_strings]
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    for word in extras:
+        close = closest_option(word, options)
+        if close:
+            return f"{message}; did you mean {close}?"
+    return message
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,12 +108,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        # the subcommand's usage and options, not the top level's
+        sub = chosen_parser(parser, args)
+        sub.error(unrecognized(sub, extras))
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`shardcache stats | head`): stop quietly. Python's own
+        # flush at exit would fail again, so stdout goes to devnull (Python docs, "Note
+        # on SIGPIPE").
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except ShardcacheError as exc:
         print(f"shardcache {args.command}: error: {exc}", file=sys.stderr)
         return 1
