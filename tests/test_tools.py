@@ -137,6 +137,62 @@ def test_stats_json_and_table(served):
     assert f"{data['hit_ratio'] * 100:.1f}%" in res.stdout or "hit_ratio" in res.stdout
 
 
+@pytest.mark.parametrize("command", [("stats",), ("plan", "--list", "--json")])
+def test_a_reader_that_goes_away_ends_the_output_quietly(served, command):
+    """`shardcache stats | head -4`: the closed pipe ends the command without a
+    traceback (the reader here closes before anything is written)."""
+    origin, proxy = served
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDCACHE_")}
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "shardcache", *command, "--proxy", proxy.url],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+    finally:
+        os.close(write_end)
+    assert res.stderr == ""
+    assert res.returncode == 1
+
+
+# ---------------------------------------------------------------------------- plan
+
+
+def test_plan_without_the_admin_token_names_the_variable_to_set(tmp_path):
+    with Origin(SHARDS) as origin:
+        proxy = ProxyProcess(origin.url, tmp_path / "cache", ["--admin-token", "sekrit"])
+        with running(proxy):
+            res = cli("plan", "/data/train-{000..001}.tar", "--proxy", proxy.url)
+            assert res.returncode == 1
+            assert "HTTP 401" in res.stderr
+            assert "set SHARDCACHE_ADMIN_TOKEN to the proxy's --admin-token" in res.stderr
+            res = cli(
+                "plan",
+                "--delete",
+                "nope",
+                "--proxy",
+                proxy.url,
+                env={"SHARDCACHE_ADMIN_TOKEN": "wrong"},
+            )
+            assert res.returncode == 1
+            assert "SHARDCACHE_ADMIN_TOKEN does not match" in res.stderr
+            res = cli(
+                "plan",
+                "/data/train-{000..001}.tar",
+                "--no-watch",
+                "--proxy",
+                proxy.url,
+                env={"SHARDCACHE_ADMIN_TOKEN": "sekrit"},
+            )
+            assert res.returncode == 0, res.stderr
+    assert "SHARDCACHE_ADMIN_TOKEN" in cli("plan", "--help").stdout
+
+
 # ---------------------------------------------------------------------------- ls
 
 

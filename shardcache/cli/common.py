@@ -15,6 +15,7 @@ from typing import IO, Any
 from urllib.parse import quote, urlsplit
 
 from shardcache.errors import ShardcacheError
+from shardcache.plans import TOKEN_ENV
 
 DEFAULT_PROXY = "http://127.0.0.1:8080"
 PROXY_ENV = "SHARDCACHE_PROXY"
@@ -219,6 +220,19 @@ def no_proxy_error(proxy: str, exc: BaseException) -> ToolError:
         f"no proxy answers at {proxy}: {why}; start one with `shardcache serve --upstream URL "
         f"...`, or give its address with --proxy or {PROXY_ENV}"
     )
+
+
+def admin_token_error(status: int | None, message: str) -> ToolError | None:
+    """What to tell someone whose request the proxy refused for its admin token (401: none
+    sent, 403 "wrong admin token"): which variable to set. None for any other answer."""
+    if status == 401:
+        return ToolError(
+            f"{message}; the proxy requires its admin token: set {TOKEN_ENV} to the "
+            "proxy's --admin-token"
+        )
+    if status == 403 and "wrong admin token" in message:
+        return ToolError(f"{message}; {TOKEN_ENV} does not match the proxy's --admin-token")
+    return None
 
 
 def probe_proxy(proxy: str, timeout: float = 10.0) -> None:

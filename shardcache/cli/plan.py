@@ -19,11 +19,12 @@ from shardcache.cli.common import (
     _positive_float,
     _resolve_proxy,
     _rich_console,
+    admin_token_error,
     human_bytes,
     no_proxy_error,
     print_table,
 )
-from shardcache.plans import Plan, PlanError, delete_plan, list_plans
+from shardcache.plans import TOKEN_ENV, Plan, PlanError, delete_plan, list_plans
 
 # --------------------------------------------------------------------------- pure helpers
 
@@ -86,7 +87,8 @@ def is_done(status: Mapping[str, Any]) -> bool:
 
 
 def _unreachable(proxy: str, exc: PlanError) -> ToolError:
-    """A proxy that does not answer gets the tools' one message; other errors keep theirs."""
+    """A proxy that does not answer gets the tools' one message, a refused admin token
+    names the variable to set; other errors keep theirs."""
     import urllib.error
 
     cause = exc.__cause__
@@ -96,7 +98,7 @@ def _unreachable(proxy: str, exc: PlanError) -> ToolError:
         and not isinstance(cause, urllib.error.HTTPError)
     ):
         return no_proxy_error(proxy, cause)
-    return ToolError(str(exc))
+    return admin_token_error(exc.status, str(exc)) or ToolError(str(exc))
 
 
 def _watch(plan: Plan, interval: float, out: IO[str]) -> int:
@@ -226,6 +228,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "done or Ctrl-C, then deletes the plan (unless --keep). PATTERN is a brace pattern "
         "of paths on the proxy ('/data/train-{000000..000099}.tar'), of upstream URLs, or "
         "of s3://bucket/key names for the S3 front.",
+        epilog="Registering and deleting plans are admin requests: when the proxy has an "
+        f"--admin-token, set {TOKEN_ENV} to that token (sent as Authorization: Bearer). "
+        "Listing needs no token.",
     )
     p.add_argument("pattern", nargs="?", metavar="PATTERN", help="brace pattern of shards")
     p.add_argument("--proxy", default=None, help=PROXY_HELP)
