@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -134,6 +135,11 @@ def test_stats_json_and_table(served):
     res = cli("stats", "--proxy", proxy.url)
     assert res.returncode == 0, res.stderr
     assert "entries" in res.stdout and "hit_ratio" in res.stdout
+    rows = dict(line.split(None, 1) for line in res.stdout.splitlines()[3:])
+    assert rows["pid"] == str(data["pid"])
+    assert rows["reserved"].endswith(" B") or rows["reserved"].endswith(f"({data['reserved']})")
+    # (the free space behind it moves between the two calls)
+    assert re.fullmatch(r"\d+\.\d [KMGTP]iB \(\d+\)", rows["store.effective_limit"])
     assert f"{data['hit_ratio'] * 100:.1f}%" in res.stdout or "hit_ratio" in res.stdout
 
 
@@ -283,6 +289,13 @@ def test_format_stat():
     assert tools.format_stat("hit_ratio", 0.25) == "25.0%"
     assert tools.format_stat("bytes", 2048) == "2.0 KiB (2048)"
     assert tools.format_stat("entries", 12345) == "12,345"
+    # every byte figure like `limit`, ids plain
+    assert tools.format_stat("limit", 5_000_000) == "4.8 MiB (5000000)"
+    assert tools.format_stat("store.effective_limit", 5_000_000) == "4.8 MiB (5000000)"
+    assert tools.format_stat("reserved", 0) == "0 B"
+    assert tools.format_stat("reserved", 4096) == "4.0 KiB (4096)"
+    assert tools.format_stat("pid", 9792) == "9792"
+    assert tools.format_stat("store.errno", 28) == "28"
     assert tools.flatten({"a": {"b": 1}, "c": 2}) == [("a.b", 1), ("c", 2)]
 
 

@@ -126,14 +126,23 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     return out
 
 
+# /-/stats fields that are bytes without saying so in their name (``*bytes*`` ones do)
+BYTE_STATS = frozenset({"size", "limit", "cache_size", "capacity", "reserved", "effective_limit"})
+# numbers that name something (a process, an errno): shown as they are, no separators
+ID_STATS = frozenset({"pid", "errno", "id", "port"})
+
+
 def format_stat(key: str, value: Any) -> str:
-    """A ``/-/stats`` value for people: byte counts with units, ratios as percentages."""
+    """A ``/-/stats`` value for people: every byte figure as ``4.8 MiB (5000000)`` (or
+    ``512 B``), ratios as percentages, counts with separators, ids as they are."""
     leaf = key.rsplit(".", 1)[-1].lower()
     if isinstance(value, bool) or value is None:
         return json.dumps(value)
     if isinstance(value, (int, float)):
-        if "bytes" in leaf or leaf in ("size", "limit", "cache_size", "capacity"):
+        if "bytes" in leaf or leaf in BYTE_STATS:
             return f"{human_bytes(value)} ({int(value)})" if value >= 1024 else f"{int(value)} B"
+        if leaf in ID_STATS or leaf.endswith(("_id", "_pid")):
+            return str(value)
         if "ratio" in leaf:
             return f"{value * 100:.1f}%"
         if "seconds" in leaf or "uptime" in leaf:
