@@ -112,6 +112,32 @@ def test_prefetch_plain_text_progress_without_rich(served, tmp_path):
     assert lines[2].startswith("-------")
 
 
+def test_prefetch_progress_and_summary_give_one_rate(served, tmp_path):
+    """The last progress line and the summary's total measure the same transfer time
+    (not the start-up), and the summary says what that time is."""
+    origin, proxy = served
+    blocker = tmp_path / "rich.py"
+    blocker.write_text("raise ImportError('rich hidden for this test')\n")
+    res = cli(
+        "prefetch",
+        "/data/train-{000..005}.tar",
+        "--proxy",
+        proxy.url,
+        env={"PYTHONPATH": str(tmp_path)},
+    )
+    assert res.returncode == 0, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("6/6 shards, ")
+    progress_rate = re.search(r", ([0-9.]+ [KMGT]?i?B/s), ETA", last).group(1)
+    title, _, _, *rows = res.stdout.splitlines()
+    total = rows[-1].split()
+    assert total[0] == "total"
+    assert " ".join(total[-2:]) == progress_rate
+    assert "from the first request to the last byte" in title
+    seconds = re.search(r"in ([0-9.]+) s from the first request", title).group(1)
+    assert float(seconds) <= float(re.search(r"\(([0-9.]+) s with start-up\)", title).group(1))
+
+
 def test_prefetch_rich_display_on_a_terminal(served):
     """With rich and a terminal (forced here) the progress shows bytes/s and an ETA."""
     origin, proxy = served

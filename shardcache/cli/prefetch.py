@@ -49,10 +49,15 @@ class ShardResult:
 
 @dataclass
 class Progress:
-    """Running totals of a prefetch, shared by the fetch tasks and the display."""
+    """Running totals of a prefetch, shared by the fetch tasks and the display.
+
+    Times count the transfer only, from the first request to the last shard's end
+    (``started`` to ``finished``), so the progress and the summary give one rate.
+    """
 
     n_total: int
-    started: float = field(default_factory=time.monotonic)
+    started: float | None = None
+    finished: float | None = None
     done_bytes: int = 0
     done_shards: int = 0
     failed: int = 0
@@ -61,10 +66,21 @@ class Progress:
     def estimated_total(self) -> int | None:
         return estimate_total(self.lengths, self.n_total)
 
+    def elapsed(self) -> float:
+        """Seconds of transfer so far (all of it once finished)."""
+        if self.started is None:
+            return 0.0
+        return (self.finished or time.monotonic()) - self.started
+
+    def rate(self) -> float:
+        """Mean bytes per second over :meth:`elapsed`."""
+        elapsed = self.elapsed()
+        return self.done_bytes / elapsed if elapsed > 0 else 0.0
+
     def line(self) -> str:
-        """One status line: shards, bytes, rate, ETA."""
-        elapsed = time.monotonic() - self.started
-        rate = self.done_bytes / elapsed if elapsed > 0 else 0.0
+        """One status line: shards, bytes, mean rate, ETA."""
+        elapsed = self.elapsed()
+        rate = self.rate()
         total = self.estimated_total()
         eta = eta_seconds(self.done_bytes, total, elapsed)
         of = f" of ~{human_bytes(total)}" if total is not None else ""
@@ -120,17 +136,19 @@ async def prefetch_urls(
     concurrency: int = 8,
     timeout: float | None = None,
     on_progress: Callable[[Progress], None] | None = None,
+    progress: Progress | None = None,
 ) -> list[ShardResult]:
     """GET every URL with at most ``concurrency`` at once, discarding the bytes.
 
     Returns one result per URL, in the order given. ``timeout`` bounds each shard's read
-    between chunks (seconds; None for no bound). ``on_progress`` is called as bytes arrive.
+    between chunks (seconds; None for no bound). ``on_progress`` is called as bytes arrive
+    with ``progress`` (a new :class:`Progress` when not given), which times the transfer.
     """
     import aiohttp
 
     if concurrency < 1:
         raise ToolError(f"--concurrency must be at least 1, got {concurrency}")
-    progress = Progress(n_total=len(urls))
+    progress = progress or Progress(n_total=len(urls))
     notify = (lambda: on_progress(progress)) if on_progress else (lambda: None)
     sem = asyncio.Semaphore(concurrency)
     client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=timeout)
@@ -145,14 +163,18 @@ async def prefetch_urls(
                 result = await _fetch_one(session, url, progress, notify)
             progress.done_shards += 1
             progress.failed += not result.ok
+            if progress.done_shards == progress.n_total:
+                progress.finished = time.monotonic()
             notify()
             return result
 
+        progress.started = time.monotonic()
         return list(await asyncio.gather(*(run(u) for u in urls)))
 
 
 def summarize(results: Sequence[ShardResult], wall: float) -> list[tuple[str, int, str, str]]:
-    """Summary rows (outcome, shards, bytes, rate) with a total row last."""
+    """Summary rows (outcome, shards, bytes, rate) with a total row last; the rate is the
+    total bytes over ``wall``, the transfer's seconds."""
     groups: dict[str, list[ShardResult]] = {}
     for r in results:
         key = (r.cache or "ok") if r.ok else "FAILED"
@@ -198,6 +220,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
     err = sys.stderr
     console = None if args.quiet else _rich_console(err)
     t0 = time.monotonic()
+    progress = Progress(n_total=len(urls))
 
     if console is not None:
         from rich.progress import (
@@ -205,7 +228,6 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
             DownloadColumn,
             TextColumn,
             TimeRemainingColumn,
-            TransferSpeedColumn,
         )
         from rich.progress import (
             Progress as RichProgress,
@@ -215,13 +237,14 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
             TextColumn("{task.description}"),
             BarColumn(),
             DownloadColumn(binary_units=True),
-            TransferSpeedColumn(),
+            # the mean rate of the summary, not rich's recent-window speed
+            TextColumn("{task.fields[rate]}"),
             TextColumn("ETA"),
             TimeRemainingColumn(),
             console=console,
             transient=False,
         )
-        task = bar.add_task("prefetch", total=None)
+        task = bar.add_task("prefetch", total=None, rate="")
 
         def show(p: Progress) -> None:
             finished = p.done_shards == p.n_total
@@ -231,10 +254,13 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
                 total=p.done_bytes if finished else p.estimated_total(),
                 description=f"{p.done_shards}/{p.n_total} shards"
                 + (f" ({p.failed} failed)" if p.failed else ""),
+                rate=f"{human_bytes(p.rate())}/s",
             )
 
         with bar:
-            results = asyncio.run(prefetch_urls(urls, args.concurrency, args.timeout, show))
+            results = asyncio.run(
+                prefetch_urls(urls, args.concurrency, args.timeout, show, progress)
+            )
     else:
         last = [0.0]
         interactive = err.isatty()
@@ -252,15 +278,18 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-        results = asyncio.run(prefetch_urls(urls, args.concurrency, args.timeout, show))
+        results = asyncio.run(prefetch_urls(urls, args.concurrency, args.timeout, show, progress))
         if interactive and not args.quiet:
             print(file=err)
 
     wall = time.monotonic() - t0
+    transfer = progress.elapsed()
     print_table(
-        f"prefetch through {proxy}: {len(results)} shards in {wall:.2f} s",
+        f"prefetch through {proxy}: {len(results)} shards in {transfer:.2f} s from the first "
+        f"request to the last byte ({wall:.2f} s with start-up); rates are bytes over that "
+        "transfer time",
         ["outcome", "shards", "bytes", "rate"],
-        summarize(results, wall),
+        summarize(results, transfer),
         right=(1, 2, 3),
     )
     failed = [r for r in results if not r.ok]
