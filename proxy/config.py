@@ -184,6 +184,16 @@ def _float(text: str) -> float:
     return value
 
 
+MIN_PART_SIZE = 64 * 1024  # smaller parts cost a request each for little data
+
+
+def _part_size(text: str) -> int:
+    value = parse_size(text)
+    if 0 < value < MIN_PART_SIZE:
+        raise ValueError(f"must be 0 (off) or at least 64KiB (got {text!r})")
+    return value
+
+
 def _on_off(text: str) -> bool:
     t = text.strip().lower()
     if t in ("on", "true", "yes", "1"):
@@ -399,8 +409,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "part_size",
         8 * 1024 * 1024,
-        "ranged part size for large objects, e.g. 8MiB; 0 disables",
-        parse_size,
+        "ranged part size for large objects, e.g. 8MiB; at least 64KiB, 0 disables",
+        _part_size,
         show=_show_size,
     ),
     Setting("parallel", 8, "concurrent ranged parts per object", _int, minimum=1),

@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import shardcache
 
 
@@ -116,3 +118,16 @@ def test_stray_names_are_what_the_store_never_makes():
     assert stray_names(ours) == []
     others = ["a.tar", key.upper(), key + ".tar", ".shardcache.sqlite.bak", "lost+found"]
     assert stray_names(others + ours) == sorted(others)
+
+
+def test_part_size_is_off_or_at_least_64kib(tmp_path):
+    from proxy.config import ConfigError, parse_settings
+
+    base = ["--cache-dir", str(tmp_path), "--upstream", "http://origin.example.com"]
+    for text, value in (("0", 0), ("64KiB", 65536), ("8MiB", 8 << 20)):
+        assert parse_settings([*base, "--part-size", text], {}).part_size == value
+    with pytest.raises(ConfigError, match="^--part-size: must be 0 .* at least 64KiB"):
+        parse_settings(base, {"SHARDCACHE_PART_SIZE": "64000"})
+    res = run_cli("serve", *base, "--part-size", "1")
+    assert res.returncode == 2
+    assert "--part-size: must be 0 (off) or at least 64KiB (got '1')" in res.stderr
