@@ -213,7 +213,8 @@ class Plan:
             "wait_seconds": round(self.wait_seconds, 6),
             "planned_hits": self.planned_hits,
             "requests": self.requests,
-            "lookahead_shards": self.lookahead_shards,
+            # a lookahead in bytes has no shard count of its own
+            "lookahead_shards": None if self.lookahead_bytes is not None else self.lookahead_shards,
             "lookahead_bytes": self.lookahead_bytes,
             "window_shards": self.window,
             "done": self.done,
