@@ -569,172 +569,6 @@ async def _forward(request: web.Request, port: int) -> web.StreamResponse | None
         return resp
 
 
-def _base_headers(cache: str, etag: str | None, last_modified: str | None) -> dict[str, str]:
-    h = {"X-Cache": cache, "Accept-Ranges": "bytes"}
-    if etag:
-        h["ETag"] = etag
-    if last_modified:
-        h["Last-Modified"] = last_modified
-    return h
-
-
-def _decide(
-    request: web.Request, size: int | None, etag: str | None, last_modified: str | None
-) -> tuple[int | None, ByteRange | None]:
-    """(status for a bodiless answer or None, byte range or None for the whole object)."""
-    cond = conditional_status(request.method, request.headers, etag, last_modified)
-    if cond is not None:
-        return cond, None
-    rng = request.headers.get("Range")
-    if rng is None or size is None or not range_applies(request.headers, etag, last_modified):
-        return None, None
-    try:
-        return None, parse_range(rng, size)
-    except RangeNotSatisfiable as exc:
-        exc.headers = {"Content-Range": f"bytes */{size}"}  # type: ignore[attr-defined]
-        raise
-
-
-def _not_modified(status: int, headers: dict[str, str]) -> web.Response:
-    if status == 304:
-        return web.Response(status=304, headers=headers)
-    return _error_response(412, "precondition failed", headers)
-
-
-# ---------------------------------------------------------------------------------------
-# one response path: _answer decides, a body source sends
-
-
-def _first_byte(request: web.Request, cache: str) -> None:
-    """Observe this request's time to first byte."""
-    request.app[METRICS].ttfb.labels(cache=cache).observe(time.monotonic() - request[T_START])
-
-
-class _Body:
-    """Where the bytes of an answer come from. :func:`_answer` decides the response
-    (headers, conditionals, Range, HEAD, an empty body) and hands the byte range to
-    :meth:`send`; a source whose bytes are all in memory sets ``data`` and is answered
-    as one ``web.Response`` instead."""
-
-    data: bytes | None = None
-
-    async def send(
-        self,
-        request: web.Request,
-        resp: web.StreamResponse,
-        start: int,
-        end: int | None,
-        first_byte: Callable[[], None],
-    ) -> str | None:
-        """Send the object's bytes ``[start, end)`` (``end`` None: to its end) through the
-        prepared ``resp``, count them in ``request[T_BYTES]`` and call ``first_byte()``
-        as the first one goes out. None when every byte went out; otherwise why the body
-        was cut, and the caller aborts the connection (never a clean end)."""
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
-class _EntryBody(_Body):
-    """A cache entry: a small one from the RAM tier (one ``web.Response``, no
-    streaming), a larger one from its file with ``sendfile`` on the loop."""
-
-    def __init__(self, request: web.Request, entry: Entry):
-        self.tier = request.app[HITS]
-        self.entry = entry
-        self.fobj: Any = None
-
-    def open(self) -> bool:
-        """Find the entry's bytes (and record the access); False when its file is gone
-        or replaced."""
-        tier, entry = self.tier, self.entry
-        if tier.cacheable(entry):
-            self.data = tier.small(entry)
-            if self.data is None:
-                self.data = tier.load(entry)
-            found = self.data is not None
-        else:
-            self.fobj = tier.open(entry)
-            found = self.fobj is not None
-        if found:
-            tier.store.touch(entry)
-        return found
-
-    async def send(
-        self,
-        request: web.Request,
-        resp: web.StreamResponse,
-        start: int,
-        end: int | None,
-        first_byte: Callable[[], None],
-    ) -> str | None:
-        count = (self.entry.size if end is None else end) - start
-        first_byte()
-        sent = await _send_file(request, resp, self.fobj, start, count)
-        return None if sent == count else f"entry file ended at byte {start + sent}"
-
-    def close(self) -> None:
-        if self.fobj is not None:
-            self.fobj.close()
-
-
-class _NoBody(_Body):
-    """The body of an answer that has none (HEAD without an upstream body)."""
-
-
-async def _answer(
-    request: web.Request,
-    meta: ObjectMeta,
-    cache: str,
-    size: int | None,
-    body: _Body,
-    extra: dict[str, str] | None = None,
-) -> web.StreamResponse:
-    """Answer with version ``meta`` of the object (``size`` bytes, None while unknown)
-    and its bytes from ``body``: headers built, conditionals and Range decided (a 304/412
-    without a body, RangeNotSatisfiable for a 416), the response prepared, the byte range
-    sent and the response ended — or the connection aborted when ``body`` reports a
-    cut. ``body`` is closed when the answer ends."""
-    try:
-        headers = _base_headers(cache, meta.etag, meta.last_modified)
-        if extra:
-            headers.update(extra)
-        cond, brange = _decide(request, size, meta.etag, meta.last_modified)
-        if cond is not None:
-            return _not_modified(cond, headers)
-        # the upstream's type as it was sent: web.Response(content_type=) refuses one
-        # with parameters ("text/plain; charset=utf-8")
-        headers["Content-Type"] = meta.content_type or DEFAULT_TYPE
-        status, start, end = 200, 0, size
-        if brange is not None:
-            status, start, end = 206, brange.start, brange.end + 1
-            headers["Content-Range"] = brange.content_range
-        if body.data is not None:
-            resp: web.StreamResponse = web.Response(
-                body=body.data[start:end], status=status, headers=headers
-            )
-            _first_byte(request, cache)
-            return resp
-        resp = web.StreamResponse(status=status, headers=headers)
-        if end is not None:
-            resp.content_length = end - start  # else chunked
-        request[T_RESP] = resp
-        await resp.prepare(request)
-        if request.method == "HEAD" or start == end:
-            await resp.write_eof()
-            return resp
-        cut = await body.send(request, resp, start, end, lambda: _first_byte(request, cache))
-        if cut is not None:
-            log.warning("aborting %s %s: %s", request.method, request.raw_path, cut)
-            _abort_client(request)
-            return resp
-        await resp.write_eof()
-        return resp
-    finally:
-        body.close()
-
-
 async def _revalidate(request: web.Request, url: str, entry: Entry) -> Entry | None:
     """Ask the upstream whether an aged entry is current (one request however many
     clients ask at once). The entry when it is (a 304); None when it changed (it is
@@ -783,55 +617,6 @@ async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse |
     return await _answer(request, entry.meta, "HIT", entry.size, body)
 
 
-async def _send_file(
-    request: web.Request,
-    resp: web.StreamResponse,
-    fobj: Any,
-    offset: int,
-    count: int,
-    *,
-    threaded: bool = False,
-) -> int:
-    """Send ``count`` bytes of ``fobj`` from ``offset``: ``sendfile`` on a plain transport,
-    else (TLS, no native sendfile, ``sendfile=False``) ``pread`` into ``resp.write``.
-    ``threaded``: each ``sendfile`` call on a worker thread (followers of a download: many
-    clients copying at once spread over the cores; measured 1.13 s against 1.50 s for 16
-    clients of one cold 256 MiB shard) rather than on the event loop (hits: one call
-    usually sends it all, and the thread hop costs more than it spreads: 1 MiB hits at
-    0.58x nginx threaded against 0.80x on the loop).
-
-    Returns the bytes sent; fewer than ``count`` only when the file ended early, in which
-    case the client connection has been aborted (never a clean end). The response must
-    not be chunked: sendfile bypasses the writer's framing.
-    """
-    loop = asyncio.get_running_loop()
-    transport = request.transport
-    if transport is None:
-        raise ConnectionResetError("client gone")
-    if request.app[RUNTIME]["sendfile"]:
-        try:
-            sent = await send_file(transport, fobj, offset, count) if threaded else None
-            if sent is None:
-                sent = await loop.sendfile(transport, fobj, offset, count, fallback=False)
-            request[T_BYTES] += sent
-            if sent < count:
-                _abort_client(request)  # the file shrank under us: never end cleanly
-            return sent
-        except (NotImplementedError, RuntimeError):
-            pass
-    fd = fobj.fileno()
-    pos, end = offset, offset + count
-    while pos < end:
-        data = await loop.run_in_executor(None, os.pread, fd, min(1 << 20, end - pos), pos)
-        if not data:
-            _abort_client(request)  # the file shrank under us: never end cleanly
-            break
-        await resp.write(data)
-        pos += len(data)
-        request[T_BYTES] += len(data)
-    return pos - offset
-
-
 async def _serve_download(request: web.Request, dl: Download, cache: str) -> web.StreamResponse:
     if dl.state is State.OPENING:
         since = time.monotonic()
@@ -842,6 +627,187 @@ async def _serve_download(request: web.Request, dl: Download, cache: str) -> web
     if dl.state is State.BYPASS:
         return await _serve_bypass(request, dl.url, dl)
     return await _answer(request, dl.meta, cache, dl.known_size, _DownloadBody(dl))
+
+
+async def _serve_bypass(
+    request: web.Request, url: str, dl: Download | None = None
+) -> web.StreamResponse:
+    """Stream ``url`` from the upstream to this client alone, uncached (X-Cache: BYPASS):
+    the body a bypassed download already opened, or a request of its own."""
+    fetcher = request.app[FETCHER]
+    body: UpstreamBody | None = None
+    if request.method == "GET" or dl is None:
+        body = dl.take_bypass_body() if dl is not None else None
+        if body is None:
+            since = time.monotonic()
+            try:
+                body = await fetcher.open(url)
+            finally:
+                _waited(request, since)
+    try:
+        meta: ObjectMeta = body.meta if body is not None else dl.meta  # type: ignore[union-attr]
+        extra = {"Cache-Control": meta.cache_control} if meta.cache_control else None
+        source = _NoBody() if body is None else _ChunkBody(body.chunks())
+        return await _answer(request, meta, "BYPASS", meta.size, source, extra)
+    finally:
+        if body is not None:
+            body.close()
+
+
+# ---------------------------------------------------------------------------------------
+# one response path: _answer decides, a body source sends
+
+
+def _decide(
+    request: web.Request, size: int | None, etag: str | None, last_modified: str | None
+) -> tuple[int | None, ByteRange | None]:
+    """(status for a bodiless answer or None, byte range or None for the whole object)."""
+    cond = conditional_status(request.method, request.headers, etag, last_modified)
+    if cond is not None:
+        return cond, None
+    rng = request.headers.get("Range")
+    if rng is None or size is None or not range_applies(request.headers, etag, last_modified):
+        return None, None
+    try:
+        return None, parse_range(rng, size)
+    except RangeNotSatisfiable as exc:
+        exc.headers = {"Content-Range": f"bytes */{size}"}  # type: ignore[attr-defined]
+        raise
+
+
+def _first_byte(request: web.Request, cache: str) -> None:
+    """Observe this request's time to first byte."""
+    request.app[METRICS].ttfb.labels(cache=cache).observe(time.monotonic() - request[T_START])
+
+
+async def _answer(
+    request: web.Request,
+    meta: ObjectMeta,
+    cache: str,
+    size: int | None,
+    body: _Body,
+    extra: dict[str, str] | None = None,
+) -> web.StreamResponse:
+    """Answer with version ``meta`` of the object (``size`` bytes, None while unknown)
+    and its bytes from ``body``: headers built, conditionals and Range decided (a 304/412
+    without a body, RangeNotSatisfiable for a 416), the response prepared, the byte range
+    sent and the response ended — or the connection aborted when ``body`` reports a
+    cut. ``body`` is closed when the answer ends."""
+    try:
+        headers = {"X-Cache": cache, "Accept-Ranges": "bytes"}
+        if meta.etag:
+            headers["ETag"] = meta.etag
+        if meta.last_modified:
+            headers["Last-Modified"] = meta.last_modified
+        headers.update(extra or {})
+        cond, brange = _decide(request, size, meta.etag, meta.last_modified)
+        if cond == 304:
+            return web.Response(status=304, headers=headers)
+        if cond is not None:
+            return _error_response(412, "precondition failed", headers)
+        # the upstream's type as it was sent: web.Response(content_type=) refuses one
+        # with parameters ("text/plain; charset=utf-8")
+        headers["Content-Type"] = meta.content_type or DEFAULT_TYPE
+        status, start, end = 200, 0, size
+        if brange is not None:
+            status, start, end = 206, brange.start, brange.end + 1
+            headers["Content-Range"] = brange.content_range
+        if body.data is not None:
+            resp: web.StreamResponse = web.Response(
+                body=body.data[start:end], status=status, headers=headers
+            )
+            _first_byte(request, cache)
+            return resp
+        resp = web.StreamResponse(status=status, headers=headers)
+        if end is not None:
+            resp.content_length = end - start  # else chunked
+        request[T_RESP] = resp
+        await resp.prepare(request)
+        if request.method == "HEAD" or start == end:
+            await resp.write_eof()
+            return resp
+        cut = await body.send(request, resp, start, end, lambda: _first_byte(request, cache))
+        if cut is not None:
+            log.warning("aborting %s %s: %s", request.method, request.raw_path, cut)
+            _abort_client(request)
+            return resp
+        await resp.write_eof()
+        return resp
+    finally:
+        body.close()
+
+
+class _Body:
+    """Where the bytes of an answer come from. :func:`_answer` decides the response
+    (headers, conditionals, Range, HEAD, an empty body) and hands the byte range to
+    :meth:`send`; a source whose bytes are all in memory sets ``data`` and is answered
+    as one ``web.Response`` instead."""
+
+    data: bytes | None = None
+
+    async def send(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        start: int,
+        end: int | None,
+        first_byte: Callable[[], None],
+    ) -> str | None:
+        """Send the object's bytes ``[start, end)`` (``end`` None: to its end) through the
+        prepared ``resp``, count them in ``request[T_BYTES]`` and call ``first_byte()``
+        as the first one goes out. None when every byte went out; otherwise why the body
+        was cut, and the caller aborts the connection (never a clean end)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _NoBody(_Body):
+    """The body of an answer that has none (HEAD without an upstream body)."""
+
+
+class _EntryBody(_Body):
+    """A cache entry: a small one from the RAM tier (one ``web.Response``, no
+    streaming), a larger one from its file with ``sendfile`` on the loop."""
+
+    def __init__(self, request: web.Request, entry: Entry):
+        self.tier = request.app[HITS]
+        self.entry = entry
+        self.fobj: Any = None
+
+    def open(self) -> bool:
+        """Find the entry's bytes (and record the access); False when its file is gone
+        or replaced."""
+        tier, entry = self.tier, self.entry
+        if tier.cacheable(entry):
+            self.data = tier.small(entry)
+            if self.data is None:
+                self.data = tier.load(entry)
+            found = self.data is not None
+        else:
+            self.fobj = tier.open(entry)
+            found = self.fobj is not None
+        if found:
+            tier.store.touch(entry)
+        return found
+
+    async def send(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        start: int,
+        end: int | None,
+        first_byte: Callable[[], None],
+    ) -> str | None:
+        count = (self.entry.size if end is None else end) - start
+        first_byte()
+        sent = await _send_file(request, resp, self.fobj, start, count)
+        return None if sent == count else f"entry file ended at byte {start + sent}"
+
+    def close(self) -> None:
+        if self.fobj is not None:
+            self.fobj.close()
 
 
 class _DownloadBody(_Body):
@@ -896,31 +862,6 @@ class _DownloadBody(_Body):
         return None
 
 
-async def _serve_bypass(
-    request: web.Request, url: str, dl: Download | None = None
-) -> web.StreamResponse:
-    """Stream ``url`` from the upstream to this client alone, uncached (X-Cache: BYPASS):
-    the body a bypassed download already opened, or a request of its own."""
-    fetcher = request.app[FETCHER]
-    body: UpstreamBody | None = None
-    if request.method == "GET" or dl is None:
-        body = dl.take_bypass_body() if dl is not None else None
-        if body is None:
-            since = time.monotonic()
-            try:
-                body = await fetcher.open(url)
-            finally:
-                _waited(request, since)
-    try:
-        meta: ObjectMeta = body.meta if body is not None else dl.meta  # type: ignore[union-attr]
-        extra = {"Cache-Control": meta.cache_control} if meta.cache_control else None
-        source = _NoBody() if body is None else _ChunkBody(body.chunks())
-        return await _answer(request, meta, "BYPASS", meta.size, source, extra)
-    finally:
-        if body is not None:
-            body.close()
-
-
 class _ChunkBody(_Body):
     """An upstream body streamed to one client; its first chunk starts at the object's
     byte ``first``. The wait for every chunk counts as the client waiting."""
@@ -970,6 +911,55 @@ class _ChunkBody(_Body):
         if hi is not None and pos < hi:
             return f"upstream ended at byte {self.first + pos}"
         return None
+
+
+async def _send_file(
+    request: web.Request,
+    resp: web.StreamResponse,
+    fobj: Any,
+    offset: int,
+    count: int,
+    *,
+    threaded: bool = False,
+) -> int:
+    """Send ``count`` bytes of ``fobj`` from ``offset``: ``sendfile`` on a plain transport,
+    else (TLS, no native sendfile, ``sendfile=False``) ``pread`` into ``resp.write``.
+    ``threaded``: each ``sendfile`` call on a worker thread (followers of a download: many
+    clients copying at once spread over the cores; measured 1.13 s against 1.50 s for 16
+    clients of one cold 256 MiB shard) rather than on the event loop (hits: one call
+    usually sends it all, and the thread hop costs more than it spreads: 1 MiB hits at
+    0.58x nginx threaded against 0.80x on the loop).
+
+    Returns the bytes sent; fewer than ``count`` only when the file ended early, in which
+    case the client connection has been aborted (never a clean end). The response must
+    not be chunked: sendfile bypasses the writer's framing.
+    """
+    loop = asyncio.get_running_loop()
+    transport = request.transport
+    if transport is None:
+        raise ConnectionResetError("client gone")
+    if request.app[RUNTIME]["sendfile"]:
+        try:
+            sent = await send_file(transport, fobj, offset, count) if threaded else None
+            if sent is None:
+                sent = await loop.sendfile(transport, fobj, offset, count, fallback=False)
+            request[T_BYTES] += sent
+            if sent < count:
+                _abort_client(request)  # the file shrank under us: never end cleanly
+            return sent
+        except (NotImplementedError, RuntimeError):
+            pass
+    fd = fobj.fileno()
+    pos, end = offset, offset + count
+    while pos < end:
+        data = await loop.run_in_executor(None, os.pread, fd, min(1 << 20, end - pos), pos)
+        if not data:
+            _abort_client(request)  # the file shrank under us: never end cleanly
+            break
+        await resp.write(data)
+        pos += len(data)
+        request[T_BYTES] += len(data)
+    return pos - offset
 
 
 # ---------------------------------------------------------------------------------------
