@@ -88,6 +88,26 @@ def _reserve_port(settings: Settings) -> socket.socket:
     return sock
 
 
+def _temp_parent() -> str:
+    """Where the workers' metrics directory goes: tempfile's directory, unless tempfile
+    fell back to the working directory (possibly the cache) because $TMPDIR, /tmp,
+    /var/tmp and /usr/tmp are all unwritable, as on a read-only root filesystem."""
+    try:
+        tmp = tempfile.gettempdir()
+    except OSError:  # not even the working directory
+        tmp = ""
+    named = [os.environ.get(v, "") for v in ("TMPDIR", "TEMP", "TMP")]
+    named += ["/tmp", "/var/tmp", "/usr/tmp"]
+    if not tmp or os.path.abspath(tmp) not in {os.path.abspath(n) for n in named if n}:
+        raise ConfigError(
+            "--workers",
+            "no writable temporary directory for the workers' metrics files ($TMPDIR, "
+            "/tmp, /var/tmp and /usr/tmp all fail): set TMPDIR to a writable directory, "
+            "or mount one at /tmp (an emptyDir under readOnlyRootFilesystem)",
+        )
+    return tmp
+
+
 def _run_worker(settings: Settings, index: int, ready_fd: int) -> None:
     """In the child: serve until SIGTERM; never returns."""
     import asyncio
@@ -119,10 +139,11 @@ def _run_worker(settings: Settings, index: int, ready_fd: int) -> None:
 def serve_workers(settings: Settings) -> int:
     """Run ``settings.workers`` worker processes on one port until SIGTERM/SIGINT."""
     _preflight(settings)
+    temp_parent = _temp_parent()
     holder = _reserve_port(settings)
     port = holder.getsockname()[1]
     settings = dataclasses.replace(settings, port=port)
-    metrics_dir = tempfile.mkdtemp(prefix="shardcache-metrics-")
+    metrics_dir = tempfile.mkdtemp(prefix="shardcache-metrics-", dir=temp_parent)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     children: dict[int, tuple[int, float]] = {}  # pid -> (worker index, started)
     stopping = False

@@ -1,3 +1,5 @@
+import os
+import signal
 import subprocess
 import sys
 
@@ -131,3 +133,37 @@ def test_part_size_is_off_or_at_least_64kib(tmp_path):
     res = run_cli("serve", *base, "--part-size", "1")
     assert res.returncode == 2
     assert "--part-size: must be 0 (off) or at least 64KiB (got '1')" in res.stderr
+
+
+def test_workers_refuse_to_put_their_metrics_in_the_working_directory(tmp_path):
+    """With no writable $TMPDIR, /tmp, /var/tmp or /usr/tmp (a read-only root filesystem)
+    tempfile falls back to the working directory, which may be the cache: `serve
+    --workers 2` stops with an error naming TMPDIR instead. The fallback is simulated
+    by setting tempfile's cached answer to the working directory."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text("import os, tempfile\ntempfile.tempdir = os.getcwd()\n")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDCACHE_")}
+    env.update(PYTHONPATH=str(hook))
+    env.pop("TMPDIR", None)
+    argv = [sys.executable, "-m", "shardcache", "serve", "--cache-dir", str(cache)]
+    argv += ["--upstream", "http://127.0.0.1:9", "--host", "127.0.0.1", "--port", "0"]
+    proc = subprocess.Popen(
+        [*argv, "--workers", "2"],
+        cwd=cache,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # the workers too, should they start
+    )
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    assert proc.returncode == 2, err
+    assert "no writable temporary directory" in err and "set TMPDIR" in err
+    assert not list(cache.glob("shardcache-metrics-*"))
