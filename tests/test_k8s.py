@@ -220,6 +220,71 @@ def test_service_reaches_the_proxy_of_the_callers_node_only():
         assert port["targetPort"] in names
 
 
+# ------------------------------------------------------------------------------ proxies
+
+
+def proxy_containers(path: Path) -> list[tuple[dict, dict]]:
+    """(container, pod spec) of every proxy (a container named shardcache) in a recipe."""
+    out = []
+    for doc in load_docs(path):
+        spec = doc.get("spec", {})
+        spec = spec.get("template", {}).get("spec", spec)
+        for c in spec.get("initContainers", []) + spec.get("containers", []):
+            if c["name"] == "shardcache":
+                out.append((c, spec))
+    return out
+
+
+PROXY_RECIPES = ("job.yaml", "pod-hostpath.yaml", "daemonset.yaml")
+
+
+def test_node_proxy_has_a_writable_tmp():
+    """With --workers above 1 the proxy keeps its metrics files in a temporary directory;
+    on a read-only root filesystem without a /tmp volume that would be refused."""
+    recipe = "daemonset.yaml"
+    ((proxy, spec),) = proxy_containers(K8S / recipe)
+    assert proxy["securityContext"]["readOnlyRootFilesystem"] is True
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in proxy["volumeMounts"]}
+    assert "/tmp" in mounts, f"{recipe}: the proxy has no /tmp volume"
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+    assert mounts["/tmp"] != mounts[CACHE_DIR]
+
+
+DURATION_PART = re.compile(r"([0-9.]+)(h|m|s|ms|us)")
+
+
+def compose_seconds(text: str) -> float:
+    """A Compose duration (``40s``, ``1m30s``) in seconds."""
+    scale = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6}
+    parts = DURATION_PART.findall(text)
+    assert parts and "".join(n + u for n, u in parts) == text, text
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+def test_stop_timeouts_are_longer_than_the_proxys_grace_period():
+    """Docker and the kubelet send SIGKILL after their stop timeout; the proxy needs its
+    grace period (SHARDCACHE_GRACE_PERIOD) to let responses finish, and a little more."""
+    from proxy.config import DEFAULTS
+
+    default = float(DEFAULTS["grace_period"])
+    compose = yaml.safe_load((REPO / "docker" / "compose.yaml").read_text())
+    service = compose["services"]["shardcache"]
+    grace = float(service["environment"].get("SHARDCACHE_GRACE_PERIOD", default))
+    assert compose_seconds(service["stop_grace_period"]) >= grace + 5
+    for recipe in PROXY_RECIPES:
+        for proxy, spec in proxy_containers(K8S / recipe):
+            env = {e["name"]: e.get("value") for e in proxy.get("env", [])}
+            grace = float(env.get("SHARDCACHE_GRACE_PERIOD") or default)
+            assert spec["terminationGracePeriodSeconds"] >= grace + 5, recipe
+
+
+def test_compose_duration_parser():
+    assert compose_seconds("40s") == 40 and compose_seconds("1m30s") == 90
+    with pytest.raises(AssertionError):
+        compose_seconds("forty")
+
+
 # ------------------------------------------------------------------------------ Secrets
 
 
@@ -253,7 +318,7 @@ def test_secret_example_holds_what_every_recipe_reads_and_only_placeholders():
         "AWS_ACCESS_KEY_ID",
         "AWS_SECRET_ACCESS_KEY",
     }
-    for recipe in ("job.yaml", "pod-hostpath.yaml", "daemonset.yaml"):
+    for recipe in PROXY_RECIPES:
         refs = secret_refs(K8S / recipe)
         assert {name for name, _, _ in refs} == set(secrets), recipe
         for name, key, _optional in refs:
@@ -417,3 +482,20 @@ def test_core_kinds_still_fail_kubernetes_validate_when_broken(tmp_path):
     bad.write_text(yaml.safe_dump_all(docs))
     res = run(tool("kubernetes-validate"), "--strict", str(bad))
     assert res.returncode != 0, res.stdout
+
+
+def test_secret_example_names_every_token_protected_route():
+    """Each mutating route of proxy/app.py (all need the admin token) is listed where the
+    example explains the token, with the variable the plan client reads."""
+    app = (REPO / "proxy" / "app.py").read_text()
+    routes = re.findall(r'r\.add_(post|delete|put|patch)\("([^"]+)"', app)
+    assert len(routes) == app.count("    _require_admin(request)")
+    comment = " ".join(
+        line.lstrip("# ").strip()
+        for line in (K8S / "secret.example.yaml").read_text().splitlines()
+        if line.startswith("#")
+    )
+    for method, path in routes:
+        shown = f"{method.upper()} {re.sub(r'{[a-z_]+}', 'ID', path)}"
+        assert shown in comment, f"secret.example.yaml does not list {shown}"
+    assert "SHARDCACHE_ADMIN_TOKEN" in comment and "shardcache plan" in comment
