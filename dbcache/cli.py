@@ -119,17 +119,23 @@ def through_proxy(url: str, proxy: str, upstreams: Sequence[str] = ()) -> str:
         raise DBCacheError(f"--proxy {proxy}: {exc}") from exc
 
 
+ERROR_TEXT_MAX = 300  # longer error bodies are pages, not messages
+
+
 def _error_text(exc: urllib.error.HTTPError) -> str:
-    """The first line of an error response's body (the proxy says there what went wrong)."""
+    """The body of an error response when it is one short line of text (the proxy says
+    there what went wrong); "" for anything else, such as an origin's HTML error page."""
     try:
-        body = exc.read(4096)
+        body = exc.read(ERROR_TEXT_MAX + 1)
     except (OSError, http.client.HTTPException):
         return ""
     ctype = exc.headers.get("Content-Type", "") if exc.headers else ""
-    if ctype and not ctype.startswith(("text/", "application/json", "application/xml")):
+    if ctype and not ctype.startswith(("text/plain", "application/json")):
         return ""
-    lines = body.decode("utf-8", "replace").strip().splitlines()
-    return lines[0].strip()[:300] if lines else ""
+    text = body.decode("utf-8", "replace").strip()
+    if len(text) > ERROR_TEXT_MAX or "\n" in text or text.startswith("<"):
+        return ""
+    return text
 
 
 def open_shard(
@@ -267,11 +273,16 @@ def build(
     """Fill ``db`` with ``size`` samples from the shards at ``urls``.
 
     Returns (samples held, shards read). A build that fails before storing any sample
-    leaves no file behind, unless ``db`` existed before. ``proxy`` and ``hint_403`` make
-    the errors of a proxy say more.
+    leaves no file behind, unless ``db`` existed before. Shards that end before ``size``
+    distinct samples are an error too: a file this build created is removed (the same
+    shards could never fill it, and its size is fixed), one that existed keeps what it
+    holds, and the message says which. A file left partly filled by another failure (a
+    shard that could not be read) is kept: the same build resumes it. ``proxy`` and
+    ``hint_403`` make the errors of a proxy say more.
     """
     existed = os.path.exists(db)
     cache: DBCache | None = None
+    settled = False  # the file was dealt with and the error says how
     try:
         cache = DBCache(db, size, verbose=False, codec=codec)
         held = cache.count()
@@ -281,22 +292,41 @@ def build(
         reader = ShardReader(list(urls), proxy, hint_403)
         cache.source_(reader)
         bar = Progress(size, held, progress)
+        # The file's own advice when its source ends short ("the next pass reads the
+        # source again") is for a training loop; a build makes one pass and says below
+        # what came of it.
+        db_log = logging.getLogger(DBCache.__module__)
+        level = db_log.level
+        db_log.setLevel(logging.ERROR)
         try:
             for _ in cache:
                 bar.update()
         finally:
+            db_log.setLevel(level)
             bar.close()
         held = cache.count()
         if held < size:
+            short = f"the shards hold only {held} distinct samples, fewer than --size {size}"
+            cache.close()
+            settled = True
+            if existed:
+                raise DBCacheError(
+                    f"{db}: {short}; the file keeps its {held} samples: build again with "
+                    "more shards to fill it"
+                )
+            _remove_db(db)
+            again = f"--size {held} or less, or with more shards" if held else "other shards"
             raise DBCacheError(
-                f"{db}: the shards hold only {held} distinct samples, fewer than --size {size}"
+                f"{db}: {short}; removed the file this build created: build again with {again}"
             )
         return held, reader.opened
     except BaseException:
-        empty = cache is None or _count_or_zero(cache) == 0
+        if settled:
+            raise
+        kept = 0 if cache is None else _count_or_zero(cache)
         if cache is not None:
             cache.close()
-        if not existed and empty:
+        if not existed and kept == 0:
             _remove_db(db)
         raise
 

@@ -122,6 +122,7 @@ def test_build_errors(tmp_path, serve, shards):
     res = run("build", db, base + "/val-{000..001}.tar", "--size", "50", "--quiet")
     assert res.returncode == 1
     assert "only 20 distinct samples, fewer than --size 50" in res.stderr
+    DBCache(db, 50).close()
     res = run("build", db, base + "/val-000.tar", "--size", "40")
     assert res.returncode == 1
     assert "holds a cache of size 50, opened with size 40" in res.stderr
@@ -129,6 +130,49 @@ def test_build_errors(tmp_path, serve, shards):
     assert res.returncode == 1
     assert "missing.tar: HTTP 404" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_an_origins_error_page_is_not_quoted(tmp_path, serve, shards):
+    """http.server answers a 404 with an HTML page: the error gives status and reason."""
+    root, _ = shards
+    base, _ = serve(root)
+    res = run("build", str(tmp_path / "x.db"), base + "/missing.tar", "--size", "5", "--quiet")
+    assert res.returncode == 1
+    line = res.stderr.strip().splitlines()[-1]
+    assert line == f"shardcache dbcache: error: {base}/missing.tar: HTTP 404 File not found"
+
+
+def test_shards_too_few_for_size_fail_once_without_a_retry_hint(tmp_path, serve, shards):
+    """The shards end before --size: one clear error, no "next pass" advice; the file
+    this build created is removed (a build with the right --size then just works), one
+    that existed keeps its samples, and the message says which."""
+    root, _ = shards
+    base, _ = serve(root)
+    db = tmp_path / "val.db"
+    res = run("build", str(db), base + "/val-{000..001}.tar", "--size", "1000")
+    assert res.returncode == 1
+    assert "next pass" not in res.stderr and "source again" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"shardcache dbcache: error: {db}: the shards hold only 20 distinct samples, fewer "
+        "than --size 1000; removed the file this build created: build again with --size 20 "
+        "or less, or with more shards"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["www"]
+    res = run("build", str(db), base + "/val-{000..001}.tar", "--size", "20", "--quiet")
+    assert res.returncode == 0, res.stderr
+    # a file that was there: kept, with what it holds
+    old = tmp_path / "old.db"
+    DBCache(str(old), 30).close()
+    res = run("build", str(old), base + "/val-000.tar", "--size", "30", "--quiet")
+    assert res.returncode == 1
+    assert res.stderr.strip().endswith(
+        "fewer than --size 30; the file keeps its 10 samples: build again with more shards "
+        "to fill it"
+    )
+    assert len(DBCache(str(old), 30)) == 10
+    res = run("build", str(old), base + "/val-{000..002}.tar", "--size", "30", "--quiet")
+    assert res.returncode == 0, res.stderr
+    assert len(DBCache(str(old), 30)) == 30
 
 
 def test_info_and_export_of_bad_files(tmp_path):
@@ -177,11 +221,7 @@ def test_a_failed_build_leaves_no_empty_file_behind(tmp_path, serve, shards):
     res = run("build", str(db), base + "/missing.tar", "--size", "5", "--quiet")
     assert res.returncode == 1 and db.exists()
     assert len(DBCache(str(db), 5)) == 0
-    # a partly filled new file stays too: the next build resumes it
-    part = tmp_path / "part.db"
-    res = run("build", str(part), base + "/val-{000..001}.tar", "--size", "25", "--quiet")
-    assert res.returncode == 1 and "only 20 distinct samples" in res.stderr
-    assert len(DBCache(str(part), 25)) == 20
+    # shards too few for --size: test_shards_too_few_for_size_fail_once_without_a_retry_hint
 
 
 # -- through a real proxy ------------------------------------------------------------------
