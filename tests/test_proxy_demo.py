@@ -24,3 +24,7 @@ def test_proxy_demo_small():
     assert "the hit ratio counts shard requests" in text
     assert " MB" not in text  # one unit system: MiB
     assert "every shard crossed the network once" in text
+    # a shard's progress line comes after it is read, with all its samples counted
+    progress = [line.split() for line in text.splitlines() if line.startswith("  cold: shard")]
+    assert [(p[2], p[4]) for p in progress] == [("1/3", "20"), ("2/3", "40"), ("3/3", "60")]
+    assert "a 512-byte header" in text

@@ -91,26 +91,31 @@ def _read_pass(label: str, urls: list[str], out: TextIO) -> tuple[int, int, floa
     t0 = time.monotonic()
     n = nbytes = shard = 0
     current = None
+
+    def shard_done() -> None:
+        """Report the shard just read to its end, with every sample so far."""
+        rate = n / max(time.monotonic() - t0, 1e-9)
+        if bar is not None:
+            bar.update(task, completed=shard, samples=n, rate=rate)
+        else:
+            print(
+                f"  {label}: shard {shard}/{len(urls)} {current.rsplit('/', 1)[-1]}"
+                f"  {n} samples  {rate:,.0f} samples/s",
+                file=out,
+                flush=True,
+            )
+
     try:
         for sample in tarfile_samples(shardlist(urls)):
-            n += 1
-            nbytes += sum(len(v) for k, v in sample.items() if not k.startswith("__"))
             if sample["__url__"] != current:
+                if current is not None:
+                    shard_done()
                 current = sample["__url__"]
                 shard += 1
-                rate = n / max(time.monotonic() - t0, 1e-9)
-                if bar is not None:
-                    bar.update(task, completed=shard - 1, samples=n, rate=rate)
-                else:
-                    print(
-                        f"  {label}: shard {shard}/{len(urls)} {current.rsplit('/', 1)[-1]}"
-                        f"  {n} samples  {rate:,.0f} samples/s",
-                        file=out,
-                        flush=True,
-                    )
-        if bar is not None:
-            rate = n / max(time.monotonic() - t0, 1e-9)
-            bar.update(task, completed=shard, samples=n, rate=rate)
+            n += 1
+            nbytes += sum(len(v) for k, v in sample.items() if not k.startswith("__"))
+        if current is not None:
+            shard_done()
     finally:
         if bar is not None:
             bar.stop()
@@ -169,6 +174,12 @@ def proxy_demo(
                         file=out,
                         flush=True,
                     )
+                    if label == "cold":
+                        print(
+                            "  (the origin sends more than the sample data: a tar file gives "
+                            "each member a 512-byte header and pads it to a multiple of 512 bytes)",
+                            file=out,
+                        )
                 with urllib.request.urlopen(f"{proxy_url}/-/stats", timeout=10) as r:
                     stats = json.load(r)
         print(
