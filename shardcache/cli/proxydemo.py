@@ -177,7 +177,8 @@ def proxy_demo(
                     if label == "cold":
                         print(
                             "  (the origin sends more than the sample data: a tar file gives "
-                            "each member a 512-byte header and pads it to a multiple of 512 bytes)",
+                            "each member a 512-byte header and pads it to a multiple of 512 "
+                            "bytes)",
                             file=out,
                         )
                 with urllib.request.urlopen(f"{proxy_url}/-/stats", timeout=10) as r:
