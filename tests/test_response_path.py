@@ -228,10 +228,6 @@ async def test_bytes_and_first_byte_are_counted_on_every_path(rig):
         assert after[1] - before[1] == 1, path
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the upstream layer's cold ranged GET raises RangeNotSatisfiable without the size",
-)
 async def test_cold_range_of_an_empty_object_names_its_size(rig):
     origin, make = rig
     origin.files["e.txt"] = b""

@@ -238,7 +238,11 @@ class Fetcher:
             meta = ObjectMeta.from_headers(resp.headers, resp.status)
             if meta.size is None:
                 raise UpstreamError(f"upstream {url}: answered a range without the object's size")
-            wanted = parse_range(header, meta.size)
+            try:
+                wanted = parse_range(header, meta.size)
+            except RangeNotSatisfiable as exc:  # an origin answering 200 to what it cannot serve
+                exc.headers = {"Content-Range": f"bytes */{meta.size}"}  # type: ignore[attr-defined]
+                raise
             if wanted is None:
                 raise UpstreamError(f"upstream {url}: {header!r} is not a single byte range")
             if resp.status == 200:
