@@ -202,7 +202,7 @@ def test_pods_have_the_sidecar_probes_resources_and_scrape_annotations():
         assert sc["readinessProbe"]["httpGet"]["path"] == "/-/readyz"
         assert sc["livenessProbe"]["httpGet"]["path"] == "/-/healthz"
         assert sc["resources"]["requests"] and sc["resources"]["limits"]
-        assert {m["mountPath"] for m in sc["volumeMounts"]} == {"/var/cache/shardcache"}
+        assert {m["mountPath"] for m in sc["volumeMounts"]} == {"/var/cache/shardcache", "/tmp"}
         ann = meta["annotations"]
         assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics"
         assert all("resources" in c for c in spec["containers"])
