@@ -311,3 +311,19 @@ def test_dashboard_queries_name_only_exported_metrics():
 
 def test_dashboard_metric_check_catches_an_unknown_name():
     assert metric_names("rate(shardcache_cache_hits_total[5m])") - allowed_series()
+
+
+# ------------------------------------------------------------------------------ yamllint
+
+
+def test_yamllint_passes_every_deployment_file():
+    res = run(tool("yamllint"), "-f", "parsable", "-c", str(REPO / ".yamllint"), str(DOCKER))
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_yamllint_catches_a_duplicate_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: 1\nb: 2\na: 3\n")
+    res = run(tool("yamllint"), "-f", "parsable", "-c", str(REPO / ".yamllint"), str(bad))
+    assert res.returncode != 0 and "key-duplicates" in res.stdout, res.stdout
+
