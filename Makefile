@@ -49,7 +49,7 @@ $(CLIENTS_VENV)/.installed: pyproject.toml
 # and the torch DataLoader tests (marked `torch`), since this venv has torch.
 test-clients: $(CLIENTS_VENV)/.installed
 	$(CLIENTS_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "clients or torch" \
-	  tests/s3 tests/test_dataloader.py
+	  tests/s3 tests/test_dataloader.py tests/test_dataset.py tests/test_plans_client.py
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .

@@ -252,6 +252,7 @@ def test_dataset_is_plain_iterable_without_torch(shards_dir):
     assert out.strip() == "6"
 
 
+@pytest.mark.torch
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed (pip install '.[torch]')")
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 def test_torch_dataloader_with_workers_reads_each_sample_once(origin, tmp_path):

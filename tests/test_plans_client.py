@@ -522,6 +522,7 @@ def test_dataset_with_a_bad_shardcache_proxy_does_not_plan(stub, monkeypatch):
     assert not stub.of("POST")
 
 
+@pytest.mark.torch
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed: no DataLoader workers")
 def test_dataloader_workers_register_their_own_plans(stub):
     from torch.utils.data import DataLoader
