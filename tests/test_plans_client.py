@@ -913,6 +913,9 @@ def test_e2e_cli_ctrl_c_deletes_the_plan_unless_keep(fresh, keep):
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
+        # a test run started in the background inherits SIGINT ignored; a terminal's
+        # Ctrl-C reaches a foreground command with the default disposition
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert watcher.stdout is not None
