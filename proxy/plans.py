@@ -57,6 +57,7 @@ HORIZON = 10_000  # shards of each plan looked at for next uses: beyond that, "f
 RATE_SAMPLES = 16  # the read rate is measured over a plan's last this many shards
 TICK = 1.0  # seconds between scheduling passes when nothing wakes the scheduler
 RETRY_FIRST, RETRY_MAX = 1.0, 60.0  # a failed background download waits before the next
+PRESSED_WINDOW = 2  # shards ahead of a reader of unknown rate when the cache is short
 MIN_GAP = 0.02  # seconds between passes at least: a stream of hits must not keep it busy
 
 
@@ -523,13 +524,13 @@ class Scheduler:
             return min(plan.lookahead_shards, self.plans.default_lookahead)
         return max(1, min(plan.lookahead_shards, int(plan.lookahead_bytes // self._shard_bytes)))
 
-    def _window(self, plan: Plan, lookahead: int) -> int:
+    def _window(self, plan: Plan, lookahead: int, pressed: bool) -> int:
         """Shards to have ready ahead of ``plan``'s reader: as many as it reads while one
-        shard downloads, plus one, within its lookahead; the whole lookahead until its
-        read rate is known."""
+        shard downloads, plus one, within its lookahead; until its read rate is known,
+        the whole lookahead (two shards while the plans need more than the cache holds)."""
         rate = plan.read_rate()
         if rate is None or self._fetch_seconds is None or not self._shard_bytes:
-            return lookahead
+            return min(lookahead, PRESSED_WINDOW) if pressed else lookahead
         need = math.ceil(rate * self._fetch_seconds / self._shard_bytes) + 1
         return max(1, min(lookahead, need))
 
@@ -540,9 +541,12 @@ class Scheduler:
         running = self._running
         want: list[tuple[int, int, str, str]] = []  # (tier, distance, url, reason)
         room = await self._free_room(now)
+        pressed = self._pressed()
+        if pressed:
+            room = 0
         for plan in self.plans:
             lookahead = self._lookahead(plan)
-            needed = self._window(plan, lookahead)
+            needed = self._window(plan, lookahead, pressed)
             if plan.window != needed:
                 plan.window = needed
                 self.plans._touch()
@@ -569,7 +573,8 @@ class Scheduler:
                     else:
                         size = int(self._shard_bytes or 0)
                         # the reader's own window may evict entries needed later; the
-                        # rest of the lookahead only fills room that costs no planned entry
+                        # rest of the lookahead only fills room that costs no planned entry,
+                        # and none while the plans need more than the cache holds
                         tier = 0 if dist < needed else 1
                         if tier == 1:
                             if room < size:
@@ -607,6 +612,16 @@ class Scheduler:
                 continue
             if await self._launch(url, "prefetch"):
                 slots -= 1
+
+    def _pressed(self) -> bool:
+        """Whether the shards the plans still read add up to more than the cache holds.
+        Then a shard fetched early, beyond its reader's window, is kept as "needed soon"
+        and pushes out an entry read later in the epoch, which costs a download again:
+        the lookahead stays at each reader's window."""
+        if not self._shard_bytes:
+            return False
+        planned, _ = self.plans.planner()
+        return len(planned) * self._shard_bytes > self.store.cache_size
 
     async def _free_room(self, now: float) -> int:
         """Bytes the cache can take without evicting an entry a plan needs; measured at
