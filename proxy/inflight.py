@@ -216,6 +216,11 @@ class Download:
         """Register a client; the shared read descriptor stays open until all release."""
         self._refs += 1
 
+    @property
+    def holders(self) -> int:
+        """How many clients (and the download task, while it runs) hold this download."""
+        return self._refs
+
     def release(self) -> None:
         self._refs -= 1
         if self._refs == 0 and self._read_fd is not None:

@@ -57,7 +57,10 @@ HORIZON = 10_000  # shards of each plan looked at for next uses: beyond that, "f
 RATE_SAMPLES = 16  # the read rate is measured over a plan's last this many shards
 TICK = 1.0  # seconds between scheduling passes when nothing wakes the scheduler
 RETRY_FIRST, RETRY_MAX = 1.0, 60.0  # a failed background download waits before the next
-PRESSED_WINDOW = 2  # shards ahead of a reader of unknown rate when the cache is short
+# while the plans need more than the cache holds: the next shard and the one after it.
+# The next is cached only in room no planned entry needs (its reader streams it anyway);
+# the one after may push out the entry read farthest ahead.
+PRESSED_WINDOW = 2
 MIN_GAP = 0.02  # seconds between passes at least: a stream of hits must not keep it busy
 
 
@@ -428,20 +431,48 @@ class Plans:
 
     # -- eviction ------------------------------------------------------------------------
 
-    def planner(self) -> tuple[Mapping[str, float], Collection[str]]:
-        """(key -> shards until its next planned use, keys never to evict): what the
-        store's eviction asks before choosing victims. Called from the store's thread;
-        reads a consistent copy of the positions."""
+    def planner(
+        self,
+    ) -> tuple[Mapping[str, float], Collection[str], Mapping[str, float]]:
+        """What the store's eviction asks before choosing victims: (key -> shards until
+        its next planned use, keys never to evict, key -> the use that admitting it serves).
+
+        The last map covers each plan's next shard: its reader streams it as it arrives
+        whether or not it is cached, so caching it is worth only its use after that one
+        (infinitely far when there is none). Called from the store's thread; reads a
+        consistent copy of the positions."""
         memo = self._memo
         version = self._version
         if memo is not None and memo[0] == version:
             return memo[1]
         views = []
-        for plan in list(self._plans.values()):
+        plans = list(self._plans.values())
+        for plan in plans:
             pos = plan.position
             views.append((plan.keys[pos : pos + HORIZON], 0, plan.window))
-        result = next_uses(views)
-        answer = (result[0], frozenset(result[1]))
+        next_use, protected = next_uses(views)
+        # each plan's next shard: worth caching only for its use after that read
+        firsts = []
+        for plan in plans:
+            first: dict[str, int] = {}
+            for i, key in enumerate(plan.keys[plan.position : plan.position + HORIZON]):
+                first.setdefault(key, i)
+            firsts.append(first)
+        admit: dict[str, float] = {}
+        for j, plan in enumerate(plans):
+            pos = plan.position
+            if pos >= len(plan.keys):
+                continue
+            key = plan.keys[pos]
+            later = plan.keys[pos + 1 : pos + HORIZON]
+            best = float(later.index(key) + 1) if key in later else math.inf
+            for k, other in enumerate(firsts):
+                if k != j and key in other:
+                    theirs = plans[k]
+                    if theirs.keys[theirs.position] != key:
+                        best = min(best, float(other[key]))
+            admit[key] = min(admit.get(key, math.inf), best)
+        answer = (next_use, frozenset(protected), admit)
         self._memo = (version, answer)
         return answer
 
@@ -527,11 +558,14 @@ class Scheduler:
     def _window(self, plan: Plan, lookahead: int, pressed: bool) -> int:
         """Shards to have ready ahead of ``plan``'s reader: as many as it reads while one
         shard downloads, plus one, within its lookahead; until its read rate is known,
-        the whole lookahead (two shards while the plans need more than the cache holds)."""
+        the whole lookahead. While the plans need more than the cache holds, at most
+        :data:`PRESSED_WINDOW`: every shard held ahead pushes out one read later."""
         rate = plan.read_rate()
         if rate is None or self._fetch_seconds is None or not self._shard_bytes:
             return min(lookahead, PRESSED_WINDOW) if pressed else lookahead
         need = math.ceil(rate * self._fetch_seconds / self._shard_bytes) + 1
+        if pressed:
+            need = min(need, PRESSED_WINDOW)
         return max(1, min(lookahead, need))
 
     async def step(self) -> None:
@@ -540,10 +574,9 @@ class Scheduler:
         self.plans.expire(now)
         running = self._running
         want: list[tuple[int, int, str, str]] = []  # (tier, distance, url, reason)
-        room = await self._free_room(now)
+        free = await self._free_room(now)  # room no planned entry needs
         pressed = self._pressed()
-        if pressed:
-            room = 0
+        room = 0 if pressed else free  # what lookahead beyond the windows may fill
         for plan in self.plans:
             lookahead = self._lookahead(plan)
             needed = self._window(plan, lookahead, pressed)
@@ -576,6 +609,10 @@ class Scheduler:
                         # rest of the lookahead only fills room that costs no planned entry,
                         # and none while the plans need more than the cache holds
                         tier = 0 if dist < needed else 1
+                        if pressed and dist == 0:
+                            if free < size:
+                                continue  # not admitted: its reader streams it anyway
+                            free -= size
                         if tier == 1:
                             if room < size:
                                 continue
@@ -620,7 +657,7 @@ class Scheduler:
         the lookahead stays at each reader's window."""
         if not self._shard_bytes:
             return False
-        planned, _ = self.plans.planner()
+        planned, _, _ = self.plans.planner()
         return len(planned) * self._shard_bytes > self.store.cache_size
 
     async def _free_room(self, now: float) -> int:
@@ -629,7 +666,7 @@ class Scheduler:
         when, room = self._room
         if now - when < 1.0:
             return room
-        planned, protected = self.plans.planner()
+        planned, protected, _ = self.plans.planner()
         room = await asyncio.to_thread(self.store.room_for, set(planned) | set(protected))
         self._room = (now, room)
         return room
@@ -656,9 +693,12 @@ class Scheduler:
 
         try:
             await dl.wait_finished()
-            body = dl.take_bypass_body()
-            if body is not None:
-                body.close()
+            if dl.holders <= 1:
+                # not cached and nobody reading it: let the upstream go; a client that
+                # joined the download meanwhile takes the body itself
+                body = dl.take_bypass_body()
+                if body is not None:
+                    body.close()
             ok = dl.state is State.DONE
             if not ok:
                 _, n = self._backoff.get(url, (0.0, 0))

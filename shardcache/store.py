@@ -556,7 +556,9 @@ class Store:
         self.on_evict = on_evict
         # read plans (set by the proxy): () -> (key -> next planned use, keys never to
         # evict); with plans registered, eviction follows them (Belady), see _make_room
-        self.planner: Callable[[], tuple[Mapping[str, float], Collection[str]]] | None = None
+        self.planner: (
+            Callable[[], tuple[Mapping[str, float], Collection[str], Mapping[str, float]]] | None
+        ) = None
         self.min_free_spec = min_free
         self.min_free = 0
         self.size_warning: str | None = None
@@ -1088,7 +1090,7 @@ class Store:
         ]
         planned = self._planned()
         if planned is not None:
-            next_use, protected = planned
+            next_use, protected, admit = planned
             victims = choose_victims_planned(
                 rows,
                 used,
@@ -1097,7 +1099,7 @@ class Store:
                 next_use,
                 protected,
                 exclude,
-                next_use.get(incoming) if incoming is not None else None,
+                None if incoming is None else admit.get(incoming, next_use.get(incoming)),
             )
         else:
             victims = choose_victims(rows, self.policy, used, limit, need, exclude)
@@ -1110,19 +1112,21 @@ class Store:
             evicted.append((victim, self._move_aside(victim.path)))
         return evicted
 
-    def _planned(self) -> tuple[Mapping[str, float], Collection[str]] | None:
+    def _planned(
+        self,
+    ) -> tuple[Mapping[str, float], Collection[str], Mapping[str, float]] | None:
         """What the read plans say about the future, when any are registered and the
         policy evicts at all."""
         if self.planner is None or self.policy == "keep":
             return None
         try:
-            next_use, protected = self.planner()
+            next_use, protected, admit = self.planner()
         except Exception:  # plans are advice: a failure falls back to the policy
             log.exception("read-plan eviction advice failed; evicting by %s", self.policy)
             return None
         if not next_use and not protected:
             return None
-        return next_use, protected
+        return next_use, protected, admit
 
     # -- read plans shared by the processes of one proxy (serve --workers N) -------------
 

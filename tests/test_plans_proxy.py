@@ -210,25 +210,26 @@ def test_a_shard_needed_later_than_the_cache_holds_is_streamed_uncached(rig) -> 
     assert origin.gets["s00.tar"] == 1 and origin.gets["s01.tar"] == 1
 
 
-def test_cyclic_epochs_over_twice_the_cache_hit_half_with_plans(rig) -> None:
-    n = 8
+def test_cyclic_epochs_over_twice_the_cache_keep_part_of_it_with_plans(rig) -> None:
+    n = 12
     files = _files(n)
-    origin, proxy = rig(
-        files, "--cache-size", str(n // 2 * SHARD), "--min-free", "0", "--plan-lookahead", "1"
-    )
+    origin, proxy = rig(files, "--cache-size", str(n // 2 * SHARD), "--min-free", "0")
     order = [f"/s{i:02d}.tar" for i in range(n)]
-    hits = 0
-    for epoch in range(3):
-        status, body, _ = _call(proxy, "POST", "/-/plans", {"urls": order, "lookahead": 1})
+    fetched = []
+    for _epoch in range(3):
+        before = sum(origin.gets.values())
+        status, body, _ = _call(proxy, "POST", "/-/plans", {"urls": order})
         assert status == 201
         for path in order:
-            status, cache, _ = _get(proxy, path[1:], {"X-Shardcache-Plan": body["id"]})
-            assert status == 200
-            if epoch > 0 and cache == "HIT":
-                hits += 1
+            status, _, data = _get(proxy, path[1:], {"X-Shardcache-Plan": body["id"]})
+            assert status == 200 and len(data) == SHARD
+        time.sleep(0.2)  # downloads started ahead have ended
         assert _call(proxy, "DELETE", f"/-/plans/{body['id']}")[0] == 200
-    ratio = hits / (2 * n)
-    assert ratio >= 0.3, f"hit ratio {ratio:.2f} over epochs 2-3"
+        fetched.append(sum(origin.gets.values()) - before)
+    # LRU fetches all 12 every epoch; the plans keep part of the epoch's tail (the
+    # optimum with one shard downloading ahead keeps 5 of the 6 the cache holds)
+    assert fetched[0] == n
+    assert max(fetched[1:]) <= n - 3, fetched
 
 
 def test_wait_seconds_measure_the_stall(rig) -> None:
