@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
 BIN = Path(sys.executable).parent
 
+
 # The metric names DESIGN.md lists; a histogram also exports _bucket, _sum and _count.
 def _exported() -> set[str]:
     """Every metric family the proxy exports, as its series are named (counters with
@@ -326,4 +327,3 @@ def test_yamllint_catches_a_duplicate_key(tmp_path):
     bad.write_text("a: 1\nb: 2\na: 3\n")
     res = run(tool("yamllint"), "-f", "parsable", "-c", str(REPO / ".yamllint"), str(bad))
     assert res.returncode != 0 and "key-duplicates" in res.stdout, res.stdout
-

@@ -272,7 +272,6 @@ def expected(c: Client, data: bytes) -> bytes:
 # --- the scenario ------------------------------------------------------------------------
 
 
-
 @pytest.fixture
 def origin():
     o = VersionedOrigin().start()

@@ -138,8 +138,6 @@ def sample_value(text: str, name: str, **labels: str) -> list[float]:
     return out
 
 
-
-
 # --- A: a full disk turns caching into pass-through -------------------------------------
 
 

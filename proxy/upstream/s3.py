@@ -51,6 +51,7 @@ __all__ = [
     "parse_s3_url",
 ]
 
+
 def _http_date(resp: dict) -> str | None:
     """Last-Modified as the upstream sent it (an HTTP-date), else rebuilt from botocore's."""
     raw = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("last-modified")
