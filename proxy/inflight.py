@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import hashlib
 import logging
 import os
@@ -547,7 +548,12 @@ class Inflight:
         if not should_admit(meta.size, self.cache_size):
             return None, f"size {meta.size} not admitted"
         try:
-            partial = await asyncio.to_thread(self.store.begin, dl.url, meta.size)
+            partial = await asyncio.to_thread(
+                # a download started ahead of its reader must be kept for it
+                functools.partial(
+                    self.store.begin, dl.url, meta.size, streamed=dl.reason == "demand"
+                )
+            )
             if partial is None:
                 return None, (
                     "no room: caching it would evict entries read sooner (read plans)"

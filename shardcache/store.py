@@ -1066,6 +1066,7 @@ class Store:
         need: int,
         exclude: Iterable[str] = (),
         incoming: str | None = None,
+        streamed: bool = True,
     ) -> list[tuple[Entry, Path | None]] | None:
         """Evict rows (inside the transaction) so that ``need`` more bytes fit for the
         entry ``incoming`` (a key).
@@ -1099,7 +1100,13 @@ class Store:
                 next_use,
                 protected,
                 exclude,
-                None if incoming is None else admit.get(incoming, next_use.get(incoming)),
+                None
+                if incoming is None
+                else (
+                    admit.get(incoming, next_use.get(incoming))
+                    if streamed
+                    else next_use.get(incoming)
+                ),
             )
         else:
             victims = choose_victims(rows, self.policy, used, limit, need, exclude)
@@ -1231,8 +1238,14 @@ class Store:
                 except Exception:  # a metrics callback must not break eviction
                     log.exception("on_evict callback failed for %s", entry.url)
 
-    def begin(self, url: str, expected_size: int | None) -> Partial | None:
+    def begin(
+        self, url: str, expected_size: int | None, *, streamed: bool = True
+    ) -> Partial | None:
         """Reserve room for a download of ``url`` and create its unique, empty ``.part`` file.
+
+        ``streamed``: a client reads this download as it arrives (False: it is fetched
+        ahead, for a reader still to come). With read plans, a streamed download of the
+        shard a reader is about to read is worth caching only for its use after that.
 
         Evicts per policy so that entries plus all live reservations stay within
         ``cache_size``. Returns None when the shard cannot be admitted (bigger than
@@ -1250,7 +1263,7 @@ class Store:
         path = self.cache_dir / name
         with self._tx() as conn:
             dead = self._drop_dead_reservations(conn)
-            evicted = self._make_room(conn, need, incoming=key)
+            evicted = self._make_room(conn, need, incoming=key, streamed=streamed)
             if evicted is not None:
                 conn.execute(
                     "INSERT INTO reservations (name, key, url, pid, host, created, expected, "
