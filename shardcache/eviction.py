@@ -1,4 +1,5 @@
-"""Eviction that knows the future: Belady's MIN over registered read plans.
+"""Which cache entries to evict: LRU or FIFO (:func:`choose_victims`), or, with read plans,
+the entry needed farthest in the future (Belady's MIN, :func:`choose_victims_planned`).
 
 Readers may register a *read plan*: the order in which they will read shards. With plans
 the cache knows, for each entry, how soon it will be read again, and the best entry to
@@ -20,7 +21,15 @@ import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
-__all__ = ["Row", "PlanSnapshot", "choose_victims_planned", "next_uses"]
+__all__ = [
+    "POLICIES",
+    "Row",
+    "PlanSnapshot",
+    "choose_victims",
+    "choose_victims_planned",
+    "eviction_order",
+    "next_uses",
+]
 
 
 class Row(Protocol):
@@ -34,6 +43,49 @@ class Row(Protocol):
     def created(self) -> float: ...
     @property
     def last_access(self) -> float: ...
+
+
+POLICIES: tuple[str, ...] = ("lru", "fifo", "keep")
+
+
+def eviction_order(rows: Iterable[Row], policy: str) -> list:
+    """Rows in the order they would be evicted (first = next victim).
+
+    ``lru``: oldest ``last_access`` first; ``fifo``: oldest ``created`` first; ``keep``:
+    nothing is ever evicted (empty list). Ties are broken by the other timestamp, then key,
+    so the order is deterministic.
+    """
+    if policy == "keep":
+        return []
+    if policy == "lru":
+        return sorted(rows, key=lambda r: (r.last_access, r.created, r.key))
+    if policy == "fifo":
+        return sorted(rows, key=lambda r: (r.created, r.last_access, r.key))
+    raise ValueError(f"unknown eviction policy {policy!r}; expected one of {POLICIES}")
+
+
+def choose_victims(
+    rows: Sequence[Row], policy: str, used: int, limit: int, need: int, exclude: Iterable[str] = ()
+) -> list | None:
+    """Which rows to evict so that ``used + need <= limit``.
+
+    ``used`` counts entry bytes plus every reservation. Returns the victims (possibly empty)
+    in eviction order, or None when even evicting every candidate would not make room (or
+    the policy forbids eviction). Rows whose key is in ``exclude`` are never chosen.
+    """
+    if need > limit:
+        return None
+    excess = used + need - limit
+    if excess <= 0:
+        return []
+    skip = set(exclude)
+    victims = []
+    for row in eviction_order((r for r in rows if r.key not in skip), policy):
+        victims.append(row)
+        excess -= row.size
+        if excess <= 0:
+            return victims
+    return None
 
 
 class PlanSnapshot(NamedTuple):

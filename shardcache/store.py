@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, NamedTuple, Protocol
+from typing import Literal, NamedTuple
 
 from shardcache.errors import (
     CacheError,
@@ -65,7 +65,7 @@ from shardcache.errors import (
     StoreUnusable,
     StoreWriteError,
 )
-from shardcache.eviction import choose_victims_planned
+from shardcache.eviction import POLICIES, choose_victims, choose_victims_planned, eviction_order
 from shardcache.meta import ObjectMeta
 from shardcache.urls import shard_uuid
 
@@ -88,7 +88,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 EvictionPolicy = Literal["lru", "fifo", "keep"]
-POLICIES: tuple[str, ...] = ("lru", "fifo", "keep")
 DEFAULT_POLICY: EvictionPolicy = "lru"  # the proxy's --eviction default too
 
 INDEX_NAME = ".shardcache.sqlite"
@@ -221,55 +220,8 @@ class CheckReport:
 # Pure policy
 
 
-class _Row(Protocol):
-    @property
-    def key(self) -> str: ...
-    @property
-    def size(self) -> int: ...
-    @property
-    def created(self) -> float: ...
-    @property
-    def last_access(self) -> float: ...
-
-
-def eviction_order(rows: Iterable[_Row], policy: str) -> list:
-    """Rows in the order they would be evicted (first = next victim).
-
-    ``lru``: oldest ``last_access`` first; ``fifo``: oldest ``created`` first; ``keep``:
-    nothing is ever evicted (empty list). Ties are broken by the other timestamp, then key,
-    so the order is deterministic.
-    """
-    if policy == "keep":
-        return []
-    if policy == "lru":
-        return sorted(rows, key=lambda r: (r.last_access, r.created, r.key))
-    if policy == "fifo":
-        return sorted(rows, key=lambda r: (r.created, r.last_access, r.key))
-    raise ValueError(f"unknown eviction policy {policy!r}; expected one of {POLICIES}")
-
-
-def choose_victims(
-    rows: Sequence[_Row], policy: str, used: int, limit: int, need: int, exclude: Iterable[str] = ()
-) -> list | None:
-    """Which rows to evict so that ``used + need <= limit``.
-
-    ``used`` counts entry bytes plus every reservation. Returns the victims (possibly empty)
-    in eviction order, or None when even evicting every candidate would not make room (or
-    the policy forbids eviction). Rows whose key is in ``exclude`` are never chosen.
-    """
-    if need > limit:
-        return None
-    excess = used + need - limit
-    if excess <= 0:
-        return []
-    skip = set(exclude)
-    victims = []
-    for row in eviction_order((r for r in rows if r.key not in skip), policy):
-        victims.append(row)
-        excess -= row.size
-        if excess <= 0:
-            return victims
-    return None
+# eviction_order and choose_victims (LRU/FIFO) and the plan-aware choose_victims_planned
+# live in shardcache.eviction, pure and tested without I/O.
 
 
 # --------------------------------------------------------------------------------------
