@@ -246,6 +246,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     loop = asyncio.get_running_loop()
     background = loop.create_task(health.run(), name="store health")
     scheduling = loop.create_task(app[SCHEDULER].run(), name="background downloads")
+    app[RUNTIME]["scheduling"] = scheduling
     app[RUNTIME]["ready"] = True
     log.info(
         "cache %s: limit %d bytes, %d kept free, policy %s, revalidate %s; upstreams: %s",
@@ -280,6 +281,13 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 async def _on_shutdown(app: web.Application) -> None:
     app[RUNTIME]["ready"] = False
     app[RUNTIME]["not_ready"] = "shutting down: finishing the responses in flight"
+    # no new background downloads while responses drain; those no client follows go
+    scheduling = app[RUNTIME].get("scheduling")
+    if scheduling is not None:
+        scheduling.cancel()
+        await asyncio.gather(scheduling, return_exceptions=True)
+    if SCHEDULER in app:
+        await app[SCHEDULER].stop()
 
 
 # ---------------------------------------------------------------------------------------
@@ -532,6 +540,8 @@ async def _forward(request: web.Request, port: int) -> web.StreamResponse | None
         )
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
     headers[FORWARDED] = str(os.getpid())
+    request[T_READY] = "downloading"  # another worker's download, followed from here
+    since = time.monotonic()
     try:
         peer = await session.request(
             request.method,
@@ -542,6 +552,8 @@ async def _forward(request: web.Request, port: int) -> web.StreamResponse | None
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         log.info("worker on port %d unreachable (%s); taking over", port, exc)
         return None
+    finally:
+        _waited(request, since)
     async with peer:
         out = {k: v for k, v in peer.headers.items() if k.lower() not in _HOP_BY_HOP}
         if out.get("X-Cache") == "MISS":
@@ -555,7 +567,15 @@ async def _forward(request: web.Request, port: int) -> web.StreamResponse | None
             await resp.write_eof()
             return resp
         try:
-            async for chunk in peer.content.iter_chunked(1 << 20):
+            chunks = aiter(peer.content.iter_chunked(1 << 20))
+            while True:
+                since = time.monotonic()
+                try:
+                    chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+                finally:
+                    _waited(request, since)
                 await resp.write(chunk)
                 request[T_BYTES] += len(chunk)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -1239,14 +1259,20 @@ async def _plans_add(request: web.Request) -> web.Response:
         body = await request.json()
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"body is not valid JSON: {exc}") from None
-    urls: list[str] = []
+    plans.check_room()  # before any work on the URLs
     limit = plans.max_shards
-    for u in _expand(body):
-        if len(urls) >= limit:
-            raise BadRequest(
-                f"plan has more than {limit} shards (--max-plan-shards)", status_hint=413
-            )
-        urls.append(_plan_url(request, u))
+
+    def canonical() -> list[str]:  # a large plan maps its URLs off the event loop
+        urls: list[str] = []
+        for u in _expand(body):
+            if len(urls) >= limit:
+                raise BadRequest(
+                    f"plan has more than {limit} shards (--max-plan-shards)", status_hint=413
+                )
+            urls.append(_plan_url(request, u))
+        return urls
+
+    urls = await asyncio.to_thread(canonical)
     plan = await plans.register(urls, body.get("name"), body.get("lookahead"))
     status = plan.status(time.monotonic())
     return web.json_response(
@@ -1254,7 +1280,10 @@ async def _plans_add(request: web.Request) -> web.Response:
             "id": plan.id,
             "name": plan.name,
             "shards": len(plan.urls),
-            "lookahead": {"shards": plan.lookahead_shards, "bytes": plan.lookahead_bytes},
+            "lookahead": {
+                "shards": status["lookahead_shards"],
+                "bytes": status["lookahead_bytes"],
+            },
             "plan": status,
         },
         status=201,

@@ -405,7 +405,13 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=1,
     ),
     Setting("max_plans", 64, "read plans registered at once, at most", _int, minimum=1),
-    Setting("max_plan_shards", 1_000_000, "shards in one read plan, at most", _int, minimum=1),
+    Setting(
+        "max_plan_shards",
+        100_000,
+        "shards in one read plan, at most (a plan costs about 250 bytes of memory a shard)",
+        _int,
+        minimum=1,
+    ),
     Setting(
         "part_size",
         8 * 1024 * 1024,

@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, 
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.metrics import ProxyMetrics
+from proxy.metrics import ProxyMetrics, multiprocess
 from proxy.policy import parse_size
 from shardcache.errors import BadRequest, NotFound
 from shardcache.eviction import next_uses
@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 
 PLAN_HEADER = "X-Shardcache-Plan"  # a data request naming the plan it reads for
 MAX_NAME = 200
+MAX_LOOKAHEAD = 1024  # shards a plan may keep ahead, at most (each pass walks them)
+PLANNER_EVERY = 0.25  # seconds a snapshot of next uses serves while positions move
 HORIZON = 10_000  # shards of each plan looked at for next uses: beyond that, "far"
 RATE_SAMPLES = 16  # the read rate is measured over a plan's last this many shards
 TICK = 1.0  # seconds between scheduling passes when nothing wakes the scheduler
@@ -70,8 +72,8 @@ def parse_lookahead(value: Any) -> tuple[int | None, int | None]:
     if isinstance(value, bool):
         raise BadRequest('"lookahead" must be a shard count (integer) or a size ("2GiB")')
     if isinstance(value, int):
-        if value < 1:
-            raise BadRequest(f'"lookahead" must be at least 1 shard (got {value})')
+        if not 1 <= value <= MAX_LOOKAHEAD:
+            raise BadRequest(f'"lookahead" must be 1 to {MAX_LOOKAHEAD} shards (got {value})')
         return value, None
     if isinstance(value, str):
         try:
@@ -124,20 +126,26 @@ class Plan:
     def done(self) -> bool:
         return self.position >= len(self.urls)
 
-    def match(self, url: str, *, named: bool, reach: int) -> int | None:
+    def match(self, url: str, *, reach: int) -> int | None:
         """The index a request for ``url`` reads in this plan, or None when it is not
-        this plan's: the first occurrence at or after the shard just read (a retry of
-        it included), at most ``reach`` shards ahead unless the request named the plan."""
+        this plan's. In order of preference: an occurrence among the next shards (the
+        window); one at most ``reach`` shards behind the position (a retry, or readers
+        sharing one plan slightly out of order: the position stays); one at most
+        ``reach`` shards ahead (the reader skipped some). So a plan holding several
+        epochs never jumps to the next epoch's copy of a shard re-read in this one."""
         where = self._where.get(url)
         if not where:
             return None
-        i = bisect.bisect_left(where, max(0, self.position - 1))
-        if i == len(where):
-            return None
-        idx = where[i]
-        if not named and idx > self.position + reach:
-            return None
-        return idx
+        pos = self.position
+        i = bisect.bisect_left(where, pos)
+        ahead = where[i] if i < len(where) else None
+        if ahead is not None and ahead - pos <= self.window:
+            return ahead
+        if i > 0 and pos - where[i - 1] <= reach:
+            return where[i - 1]
+        if ahead is not None and ahead - pos <= reach:
+            return ahead
+        return None
 
     def advance(self, idx: int, now: float) -> None:
         """The reader asked for shard ``idx``."""
@@ -150,6 +158,7 @@ class Plan:
     def note_read(self, nbytes: int, now: float, *, hit: bool) -> None:
         """A request of this plan ended after sending ``nbytes``."""
         self.seen = now
+        self.seen_wall = time.time()
         if hit:
             self.planned_hits += 1
         if nbytes:
@@ -180,16 +189,31 @@ class Plan:
             self.behind_bytes - b,
         )
 
-    def merged(self, row: tuple[int, float, float, int, int, int], now: float) -> None:
-        """Take every worker's totals (a row of :meth:`Store.plans_sync`)."""
+    def counters(self) -> tuple[float, int, int, int]:
+        return (self.wait_seconds, self.planned_hits, self.requests, self.behind_bytes)
+
+    def merged(
+        self,
+        row: tuple[int, float, float, int, int, int],
+        now: float,
+        sent: tuple[float, int, int, int] | None = None,
+    ) -> None:
+        """Take every worker's totals (a row of :meth:`Store.plans_sync`). ``sent``: this
+        plan's counters when the merge began; what was counted here since then is not in
+        the table yet, so it is kept on top of the totals and sent next time."""
         pos, seen_wall, wait, hits, reqs, behind = row
         self.position = max(self.position, int(pos))
         if seen_wall > self.seen_wall:  # another worker's request came later
             self.seen = now - max(0.0, time.time() - seen_wall)
             self.seen_wall = seen_wall
-        self.wait_seconds, self.planned_hits = float(wait), int(hits)
-        self.requests, self.behind_bytes = int(reqs), int(behind)
-        self._synced = (self.wait_seconds, self.planned_hits, self.requests, self.behind_bytes)
+        gained = (0.0, 0, 0, 0)
+        if sent is not None:
+            gained = tuple(c - s for c, s in zip(self.counters(), sent, strict=True))  # type: ignore[assignment]
+        self._synced = (float(wait), int(hits), int(reqs), int(behind))
+        self.wait_seconds = float(wait) + gained[0]
+        self.planned_hits = int(hits) + int(gained[1])
+        self.requests = int(reqs) + int(gained[2])
+        self.behind_bytes = int(behind) + int(gained[3])
 
     def read_rate(self) -> float | None:
         """Bytes per second the reader consumed over its last shards; None until known."""
@@ -248,8 +272,10 @@ class Plans:
         self.max_plans = max_plans
         self.max_shards = max_shards
         self._plans: dict[str, Plan] = {}
-        self._memo: tuple[int, tuple[Mapping[str, float], frozenset[str]]] | None = None
+        self._memo: tuple[int, int, float, Any] | None = None  # (version, members, when, maps)
         self._version = 0  # bumped whenever a position, a window or the set of plans changes
+        self._members = 0  # bumped whenever a plan is added or removed
+        self._cost = 0.0  # seconds the last planner() computation took
         self.changed = asyncio.Event()
 
     def __len__(self) -> int:
@@ -258,8 +284,10 @@ class Plans:
     def __iter__(self):
         return iter(list(self._plans.values()))
 
-    def _touch(self) -> None:
+    def _touch(self, members: bool = False) -> None:
         self._version += 1
+        if members:
+            self._members += 1
         self.changed.set()
 
     # -- registry ------------------------------------------------------------------------
@@ -268,7 +296,9 @@ class Plans:
         """Add a plan; with several workers, make it known to all of them."""
         if self.shared:
             await self.sync(force=True)
-        plan = self.add(urls, name, lookahead)
+        self.check_room()
+        plan = await asyncio.to_thread(self.build, urls, name, lookahead)
+        self.insert(plan)
         if self.shared:
             try:
                 await asyncio.to_thread(self.store.plan_put, plan.id, plan.doc())
@@ -294,34 +324,60 @@ class Plans:
         if not force and now - self._synced_at < 0.2:
             return
         self._synced_at = now
-        updates = {pid: p.pending() for pid, p in self._plans.items()}
+        known = dict(self._plans)
+        updates = {pid: p.pending() for pid, p in known.items()}
+        sent = {pid: p.counters() for pid, p in known.items()}
         rows, docs = await asyncio.to_thread(
-            self.store.plans_sync, updates, time.time() - self.ttl, set(self._plans)
+            self.store.plans_sync, updates, time.time() - self.ttl, set(known)
         )
-        for pid in [pid for pid in self._plans if pid not in rows]:
+        # a plan registered here during the merge is not in its answer yet: only those
+        # the table was asked about and no longer has are gone
+        for pid in [pid for pid in known if pid not in rows]:
             self._drop(pid, "ended (deleted or expired)")
-        for pid, doc in docs.items():
-            if pid in self._plans:
-                continue
-            d = json.loads(doc)
-            urls = tuple(d["urls"])
-            plan = Plan(
-                id=pid,
-                name=d.get("name") or "",
-                urls=urls,
-                keys=tuple(self.store.key(u) for u in urls),
-                lookahead_shards=int(d["lookahead_shards"]),
-                lookahead_bytes=d.get("lookahead_bytes"),
-                created=float(d.get("created") or time.time()),
-            )
-            self._plans[pid] = plan
+        new = [(pid, doc) for pid, doc in docs.items() if pid not in self._plans]
+        if new:
+            built = await asyncio.to_thread(lambda: [self._from_doc(p, d) for p, d in new])
+            for plan in built:
+                self._plans.setdefault(plan.id, plan)
+            self._members += 1
         now = time.monotonic()
         for pid, row in rows.items():
-            self._plans[pid].merged(row, now)
+            plan = self._plans.get(pid)
+            if plan is not None:
+                plan.merged(row, now, sent.get(pid) if known.get(pid) is plan else None)
         self.metrics.plans.set(len(self._plans))
         self._touch()
 
+    def _from_doc(self, pid: str, doc: str) -> Plan:
+        """A plan another worker registered (off the event loop: keys of every URL)."""
+        d = json.loads(doc)
+        urls = tuple(d["urls"])
+        return Plan(
+            id=pid,
+            name=d.get("name") or "",
+            urls=urls,
+            keys=tuple(self.store.key(u) for u in urls),
+            lookahead_shards=int(d["lookahead_shards"]),
+            lookahead_bytes=d.get("lookahead_bytes"),
+            created=float(d.get("created") or time.time()),
+        )
+
+    def check_room(self) -> None:
+        """400 when no further plan may be registered (before any work on its URLs)."""
+        if len(self._plans) >= self.max_plans:
+            raise BadRequest(
+                f"{len(self._plans)} plans are registered, the most this proxy keeps "
+                "(--max-plans): DELETE /-/plans/ID the plans that ended"
+            )
+
     def add(self, urls: Sequence[str], name: Any, lookahead: Any = None) -> Plan:
+        """Build and register a plan (both on the calling thread)."""
+        plan = self.build(urls, name, lookahead)
+        self.insert(plan)
+        return plan
+
+    def build(self, urls: Sequence[str], name: Any, lookahead: Any = None) -> Plan:
+        """A new plan, checked but not registered: safe off the event loop."""
         if not urls:
             raise BadRequest("a plan needs at least one URL")
         if len(urls) > self.max_shards:
@@ -330,11 +386,7 @@ class Plans:
                 "(--max-plan-shards)",
                 status_hint=413,
             )
-        if len(self._plans) >= self.max_plans:
-            raise BadRequest(
-                f"{len(self._plans)} plans are registered, the most this proxy keeps "
-                "(--max-plans): DELETE /-/plans/ID the plans that ended"
-            )
+        self.check_room()
         if name is not None and (not isinstance(name, str) or len(name) > MAX_NAME):
             raise BadRequest(f'"name" must be a string of at most {MAX_NAME} characters')
         shards, nbytes = (
@@ -346,20 +398,26 @@ class Plans:
             urls=tuple(urls),
             keys=tuple(self.store.key(u) for u in urls),
             # a lookahead in bytes bounds the shards by their sizes (see Scheduler._window)
-            lookahead_shards=shards if shards is not None else len(urls),
+            lookahead_shards=shards if shards is not None else min(len(urls), MAX_LOOKAHEAD),
             lookahead_bytes=nbytes,
         )
+        return plan
+
+    def insert(self, plan: Plan) -> None:
+        """Register a plan built by :meth:`add` (the part that runs on the event loop)."""
+        self.check_room()
         self._plans[plan.id] = plan
         self.metrics.plans.set(len(self._plans))
-        self._touch()
+        self._touch(members=True)
         log.info(
             "plan %s%s registered: %d shards, lookahead %s",
             plan.id,
             f" ({plan.name})" if plan.name else "",
             len(plan.urls),
-            f"{nbytes} bytes" if nbytes is not None else f"{shards} shards",
+            f"{plan.lookahead_bytes} bytes"
+            if plan.lookahead_bytes is not None
+            else f"{plan.lookahead_shards} shards",
         )
-        return plan
 
     def get(self, plan_id: str) -> Plan:
         plan = self._plans.get(plan_id)
@@ -371,21 +429,25 @@ class Plans:
         plan = self._plans.pop(plan_id, None)
         if plan is None:
             return
-        with contextlib.suppress(KeyError):
-            self.metrics.plan_ready_ahead.remove(plan.id)
+        self._forget_gauge(plan.id)
         self.metrics.plans.set(len(self._plans))
-        self._touch()
+        self._touch(members=True)
         if why:
             log.info("plan %s %s", plan.id, why)
+
+    def _forget_gauge(self, plan_id: str) -> None:
+        if multiprocess():
+            return  # one series for all plans there (prometheus_client cannot remove one)
+        with contextlib.suppress(KeyError):
+            self.metrics.plan_ready_ahead.remove(plan_id)
 
     def remove(self, plan_id: str, why: str = "deleted") -> Plan:
         plan = self._plans.pop(plan_id, None)
         if plan is None:
             raise NotFound(f"no plan {plan_id!r} (it ended, was deleted or expired)")
-        with contextlib.suppress(KeyError):
-            self.metrics.plan_ready_ahead.remove(plan.id)
+        self._forget_gauge(plan.id)
         self.metrics.plans.set(len(self._plans))
-        self._touch()
+        self._touch(members=True)
         log.info(
             "plan %s %s at %d of %d shards, %.2f s waited",
             plan.id,
@@ -420,7 +482,7 @@ class Plans:
             candidates = list(self._plans.values())
         hit = []
         for plan in candidates:
-            idx = plan.match(url, named=plan_id is not None, reach=max(64, 4 * plan.window))
+            idx = plan.match(url, reach=max(64, 4 * plan.window))
             if idx is None:
                 continue
             plan.advance(idx, now)
@@ -442,38 +504,40 @@ class Plans:
         (infinitely far when there is none). Called from the store's thread; reads a
         consistent copy of the positions."""
         memo = self._memo
-        version = self._version
-        if memo is not None and memo[0] == version:
-            return memo[1]
-        views = []
-        plans = list(self._plans.values())
-        for plan in plans:
-            pos = plan.position
-            views.append((plan.keys[pos : pos + HORIZON], 0, plan.window))
-        next_use, protected = next_uses(views)
+        version, members, now = self._version, self._members, time.monotonic()
+        if memo is not None and (
+            memo[0] == version
+            or (memo[1] == members and now - memo[2] < min(PLANNER_EVERY, 20 * self._cost))
+        ):
+            # large plans: positions that moved since are at most PLANNER_EVERY old
+            # rather than the advice being recomputed on every request (64 plans of 20k
+            # shards take 0.2 s); small ones are recomputed each time (well under 1 ms)
+            return memo[3]
+        # one consistent copy: (keys, position, window) of every plan
+        views = [(p.keys, p.position, p.window) for p in list(self._plans.values())]
+        windows = [(keys[pos : pos + HORIZON], 0, w) for keys, pos, w in views]
+        next_use, protected = next_uses(windows)
         # each plan's next shard: worth caching only for its use after that read
         firsts = []
-        for plan in plans:
+        for ahead, _, _ in windows:
             first: dict[str, int] = {}
-            for i, key in enumerate(plan.keys[plan.position : plan.position + HORIZON]):
+            for i, key in enumerate(ahead):
                 first.setdefault(key, i)
             firsts.append(first)
         admit: dict[str, float] = {}
-        for j, plan in enumerate(plans):
-            pos = plan.position
-            if pos >= len(plan.keys):
+        for j, (ahead, _, _) in enumerate(windows):
+            if not ahead:
                 continue
-            key = plan.keys[pos]
-            later = plan.keys[pos + 1 : pos + HORIZON]
+            key = ahead[0]
+            later = ahead[1:]
             best = float(later.index(key) + 1) if key in later else math.inf
             for k, other in enumerate(firsts):
-                if k != j and key in other:
-                    theirs = plans[k]
-                    if theirs.keys[theirs.position] != key:
-                        best = min(best, float(other[key]))
+                if k != j and key in other and windows[k][0][0] != key:
+                    best = min(best, float(other[key]))
             admit[key] = min(admit.get(key, math.inf), best)
         answer = (next_use, frozenset(protected), admit)
-        self._memo = (version, answer)
+        self._memo = (version, members, now, answer)
+        self._cost = time.monotonic() - now
         return answer
 
 
@@ -510,6 +574,7 @@ class Scheduler:
         # url -> (monotonic time before which it is not tried again, failures so far): a
         # shard that fails or is not admitted is not asked for again on every pass
         self._backoff: dict[str, tuple[float, int]] = {}
+        self._tasks: set[asyncio.Task] = set()  # following the downloads started here
 
     # -- work ----------------------------------------------------------------------------
 
@@ -574,6 +639,8 @@ class Scheduler:
         self.plans.expire(now)
         running = self._running
         want: list[tuple[int, int, str, str]] = []  # (tier, distance, url, reason)
+        all_ready = 0
+        shared_metrics = multiprocess()  # no per-plan series: they could not be removed
         free = await self._free_room(now)  # room no planned entry needs
         pressed = self._pressed()
         room = 0 if pressed else free  # what lookahead beyond the windows may fill
@@ -624,11 +691,16 @@ class Scheduler:
                         break
             plan.ready_ahead_shards, plan.ready_ahead_bytes = ready_n, ready_b
             plan.downloading = downloading
-            self.metrics.plan_ready_ahead.labels(plan=plan.id).set(ready_b)
+            all_ready += ready_b
+            if not shared_metrics:
+                self.metrics.plan_ready_ahead.labels(plan=plan.id).set(ready_b)
+        if shared_metrics:
+            self.metrics.plan_ready_ahead.labels(plan="all").set(all_ready)
         want.sort(key=lambda w: (w[0], w[1]))
         demand = max(0, len(self.inflight) - len(running))
         free = self.concurrency - len(running)
-        plan_slots = max(1 if want else 0, free - demand)
+        # demand misses first: plans get the slots they leave, and one when none runs
+        plan_slots = max(1 if want and not running else 0, free - demand)
         for _tier, _dist, url, reason in want:
             if plan_slots <= 0:
                 break
@@ -681,19 +753,31 @@ class Scheduler:
             log.warning("cannot start background download of %s: %s", url, exc)
             return False
         if dl is None:
+            # cached, running here already, or another worker's: not asked again at
+            # once (with several workers each ask is a write to the shared index)
+            _, n = self._backoff.get(url, (0.0, 0))
+            self._backoff[url] = (time.monotonic() + RETRY_FIRST, n)
             return False
         self._running[url] = dl
         began = time.monotonic()
         task = asyncio.get_running_loop().create_task(self._follow(url, dl, reason, began))
-        task.add_done_callback(lambda _t: None)
+        self._tasks.add(task)
+        task.add_done_callback(self._followed)
         return True
+
+    def _followed(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("following a background download failed", exc_info=task.exception())
 
     async def _follow(self, url: str, dl: Any, reason: str, began: float) -> None:
         from proxy.inflight import State  # the download states
 
         try:
             await dl.wait_finished()
-            if dl.holders <= 1:
+            task = dl.task
+            own = 1 if task is not None and not task.done() else 0  # the download's task
+            if dl.holders - own <= 1:
                 # not cached and nobody reading it: let the upstream go; a client that
                 # joined the download meanwhile takes the body itself
                 body = dl.take_bypass_body()
@@ -727,8 +811,18 @@ class Scheduler:
             self.plans.changed.set()
 
     async def stop(self) -> None:
+        """Start nothing more; cancel the downloads started here that no client
+        follows (their partial files are discarded); forget the queue."""
         self._queue.clear()
         self._queued.clear()
+        self.plans.changed.set()
+        for dl in list(self._running.values()):
+            task = dl.task
+            own = 1 if task is not None and not task.done() else 0
+            if task is not None and dl.holders - own <= 1:
+                task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 def _smooth(old: float | None, new: float, weight: float = 0.3) -> float:

@@ -1019,6 +1019,7 @@ class Store:
         exclude: Iterable[str] = (),
         incoming: str | None = None,
         streamed: bool = True,
+        planned: tuple[Mapping[str, float], Collection[str], Mapping[str, float]] | None = None,
     ) -> list[tuple[Entry, Path | None]] | None:
         """Evict rows (inside the transaction) so that ``need`` more bytes fit for the
         entry ``incoming`` (a key).
@@ -1041,7 +1042,6 @@ class Store:
             self._row_to_entry(r)
             for r in conn.execute(f"SELECT {_ENTRY_COLS} FROM entries").fetchall()
         ]
-        planned = self._planned()
         if planned is not None:
             next_use, protected, admit = planned
             victims = choose_victims_planned(
@@ -1213,9 +1213,10 @@ class Store:
             return None
         name = f"{key}.{os.getpid()}.{secrets.token_hex(6)}{PART_SUFFIX}"
         path = self.cache_dir / name
+        planned = self._planned()  # outside the transaction: it may take a while
         with self._tx() as conn:
             dead = self._drop_dead_reservations(conn)
-            evicted = self._make_room(conn, need, incoming=key, streamed=streamed)
+            evicted = self._make_room(conn, need, incoming=key, streamed=streamed, planned=planned)
             if evicted is not None:
                 conn.execute(
                     "INSERT INTO reservations (name, key, url, pid, host, created, expected, "
@@ -1249,6 +1250,7 @@ class Store:
             return True
         if size > self.cache_size:
             return False
+        planned = self._planned()  # outside the transaction: it may take a while
         with self._tx() as conn:
             row = conn.execute(
                 "SELECT bytes FROM reservations WHERE name = ?", (partial.path.name,)
@@ -1257,7 +1259,11 @@ class Store:
                 return False  # reservation was dropped (aborted or declared stale)
             dead = self._drop_dead_reservations(conn)
             evicted = self._make_room(
-                conn, size - int(row[0]), exclude=(partial.key,), incoming=partial.key
+                conn,
+                size - int(row[0]),
+                exclude=(partial.key,),
+                incoming=partial.key,
+                planned=planned,
             )
             if evicted is not None:
                 conn.execute(

@@ -47,6 +47,8 @@ class Origin:
     ranges: list[tuple[str, str | None, str | None]] = field(default_factory=list)
     if_ranges: list[str | None] = field(default_factory=list)  # If-Range of each GET
     port: int = 0
+    active: int = 0  # GETs being answered now
+    max_active: int = 0  # the most GETs answered at once
 
     def __post_init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -61,6 +63,16 @@ class Origin:
         return '"' + hashlib.md5(self.files[name]).hexdigest() + '"'
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if request.method != "GET":
+            return await self._answer(request)
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            return await self._answer(request)
+        finally:
+            self.active -= 1
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"]
         fault = self.faults.get(name, Fault())
         if request.method == "GET":

@@ -353,3 +353,58 @@ def test_plan_downloads_go_before_plain_prefetch(rig) -> None:
     # download that was running when the plan arrived
     assert order.index("s05.tar") <= 2 and order.index("s04.tar") <= 3, order
     assert order[-1] in ("s02.tar", "s03.tar"), order
+
+
+def test_background_downloads_stay_within_prefetch_concurrency(rig) -> None:
+    files = _files(6)
+    slow = {f"s{i:02d}.tar": Fault(delay=0.05, chunk=32 << 10) for i in range(6)}  # ~0.4 s
+    origin, proxy = rig(files, "--prefetch-concurrency", "2", faults=slow)
+    status, body, _ = _call(
+        proxy, "POST", "/-/plans", {"pattern": "/s{00..05}.tar", "lookahead": 6}
+    )
+    assert status == 201
+    most = 0
+    deadline = time.monotonic() + 30
+    while sum(origin.gets.values()) < 6 and time.monotonic() < deadline:
+        most = max(most, _metric(proxy, "shardcache_downloads_in_progress"))
+        time.sleep(0.02)
+    assert sum(origin.gets.values()) == 6
+    assert 1 <= most <= 2, most
+
+
+def test_shutdown_does_not_wait_for_downloads_nobody_reads(rig) -> None:
+    import threading
+
+    files = _files(4)
+    gate = threading.Event()  # never opened: the origin sends headers, then nothing
+    faults = {f"s{i:02d}.tar": Fault(gate=gate) for i in range(4)}
+    origin, proxy = rig(files, faults=faults)
+    assert _call(proxy, "POST", "/-/plans", {"pattern": "/s{00..03}.tar"})[0] == 201
+    _wait(lambda: sum(origin.gets.values()) >= 2, what="the lookahead")
+    began = time.monotonic()
+    assert proxy.stop() == 0
+    assert time.monotonic() - began < 8, "shutdown waited for downloads nobody reads"
+    assert list(proxy.cache_dir.glob("*.part")) == []
+
+
+def test_plan_position_with_readers_out_of_order_and_several_epochs() -> None:
+    from proxy.plans import Plan
+
+    urls = tuple(f"u{i}" for i in range(20)) * 5  # five epochs in one plan
+    plan = Plan(id="p", name="", urls=urls, keys=urls, lookahead_shards=4)
+    plan.window = 3
+    # two workers sharing the plan, each a shard behind the other in turn
+    for u in ("u1", "u0", "u3", "u2", "u5", "u4"):
+        idx = plan.match(u, reach=64)
+        assert idx is not None
+        plan.advance(idx, 0.0)
+    assert plan.position == 6  # not the next epoch's copies
+    # a small dataset: the next epoch starts where this one ends
+    small = tuple(f"v{i}" for i in range(4)) * 3
+    plan = Plan(id="q", name="", urls=small, keys=small, lookahead_shards=2)
+    plan.window = 2
+    for i, u in enumerate(small):
+        idx = plan.match(u, reach=64)
+        assert idx == i, (u, idx, i)
+        plan.advance(idx, 0.0)
+    assert plan.done
