@@ -557,7 +557,7 @@ class Inflight:
             if partial is None:
                 return None, (
                     "no room: caching it would evict entries read sooner (read plans)"
-                    if self.store.planner is not None and self.store.planner()[0]
+                    if self.store.planner is not None
                     else "no room in the cache"
                 )
             return partial, ""

@@ -54,8 +54,8 @@ log = logging.getLogger(__name__)
 PLAN_HEADER = "X-Shardcache-Plan"  # a data request naming the plan it reads for
 MAX_NAME = 200
 MAX_LOOKAHEAD = 1024  # shards a plan may keep ahead, at most (each pass walks them)
-PLANNER_EVERY = 0.25  # seconds a snapshot of next uses serves while positions move
-HORIZON = 10_000  # shards of each plan looked at for next uses: beyond that, "far"
+PLANNER_EVERY = 0.5  # seconds a snapshot of next uses serves while positions move
+HORIZON = 4096  # shards of each plan looked at for next uses: beyond that, "far"
 RATE_SAMPLES = 16  # the read rate is measured over a plan's last this many shards
 TICK = 1.0  # seconds between scheduling passes when nothing wakes the scheduler
 RETRY_FIRST, RETRY_MAX = 1.0, 60.0  # a failed background download waits before the next
@@ -511,7 +511,7 @@ class Plans:
         ):
             # large plans: positions that moved since are at most PLANNER_EVERY old
             # rather than the advice being recomputed on every request (64 plans of 20k
-            # shards take 0.2 s); small ones are recomputed each time (well under 1 ms)
+            # shards: about 0.1 s); small ones are recomputed each time (well under 1 ms)
             return memo[3]
         # one consistent copy: (keys, position, window) of every plan
         views = [(p.keys, p.position, p.window) for p in list(self._plans.values())]
@@ -641,8 +641,10 @@ class Scheduler:
         want: list[tuple[int, int, str, str]] = []  # (tier, distance, url, reason)
         all_ready = 0
         shared_metrics = multiprocess()  # no per-plan series: they could not be removed
-        free = await self._free_room(now)  # room no planned entry needs
-        pressed = self._pressed()
+        # the next-use advice of large plans takes a while: never on the event loop
+        advice = await asyncio.to_thread(self.plans.planner)
+        free = await self._free_room(now, advice)  # room no planned entry needs
+        pressed = self._pressed(advice)
         room = 0 if pressed else free  # what lookahead beyond the windows may fill
         for plan in self.plans:
             lookahead = self._lookahead(plan)
@@ -722,23 +724,23 @@ class Scheduler:
             if await self._launch(url, "prefetch"):
                 slots -= 1
 
-    def _pressed(self) -> bool:
+    def _pressed(self, advice: tuple[Mapping[str, float], Any, Any]) -> bool:
         """Whether the shards the plans still read add up to more than the cache holds.
         Then a shard fetched early, beyond its reader's window, is kept as "needed soon"
         and pushes out an entry read later in the epoch, which costs a download again:
         the lookahead stays at each reader's window."""
         if not self._shard_bytes:
             return False
-        planned, _, _ = self.plans.planner()
+        planned = advice[0]
         return len(planned) * self._shard_bytes > self.store.cache_size
 
-    async def _free_room(self, now: float) -> int:
+    async def _free_room(self, now: float, advice: tuple[Any, Any, Any]) -> int:
         """Bytes the cache can take without evicting an entry a plan needs; measured at
         most once a second (one scan of the index, on a thread)."""
         when, room = self._room
         if now - when < 1.0:
             return room
-        planned, protected, _ = self.plans.planner()
+        planned, protected, _ = advice
         room = await asyncio.to_thread(self.store.room_for, set(planned) | set(protected))
         self._room = (now, room)
         return room
