@@ -370,12 +370,6 @@ class Plans:
                 "(--max-plans): DELETE /-/plans/ID the plans that ended"
             )
 
-    def add(self, urls: Sequence[str], name: Any, lookahead: Any = None) -> Plan:
-        """Build and register a plan (both on the calling thread)."""
-        plan = self.build(urls, name, lookahead)
-        self.insert(plan)
-        return plan
-
     def build(self, urls: Sequence[str], name: Any, lookahead: Any = None) -> Plan:
         """A new plan, checked but not registered: safe off the event loop."""
         if not urls:
@@ -404,7 +398,7 @@ class Plans:
         return plan
 
     def insert(self, plan: Plan) -> None:
-        """Register a plan built by :meth:`add` (the part that runs on the event loop)."""
+        """Register a plan made by :meth:`build` (the part that runs on the event loop)."""
         self.check_room()
         self._plans[plan.id] = plan
         self.metrics.plans.set(len(self._plans))
