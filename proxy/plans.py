@@ -284,6 +284,14 @@ class Plans:
     def __iter__(self):
         return iter(list(self._plans.values()))
 
+    def __contains__(self, plan_id: object) -> bool:
+        return plan_id in self._plans
+
+    @property
+    def members(self) -> int:
+        """A count that changes whenever a plan is registered or removed."""
+        return self._members
+
     def _touch(self, members: bool = False) -> None:
         self._version += 1
         if members:
@@ -563,7 +571,8 @@ class Scheduler:
         self._queued: set[str] = set()
         self._fetch_seconds: float | None = None  # a shard's download time, smoothed
         self._shard_bytes: float | None = None  # a shard's size, smoothed
-        self._room: tuple[float, int] = (0.0, 0)  # (when, bytes) free for extended lookahead
+        # (when, plans registered then, bytes) free for lookahead that costs no planned entry
+        self._room: tuple[float, int, int] = (0.0, -1, 0)
         self.prefetched = {"ok": 0, "failed": 0}
         # url -> (monotonic time before which it is not tried again, failures so far): a
         # shard that fails or is not admitted is not asked for again on every pass
@@ -635,12 +644,18 @@ class Scheduler:
         want: list[tuple[int, int, str, str]] = []  # (tier, distance, url, reason)
         all_ready = 0
         shared_metrics = multiprocess()  # no per-plan series: they could not be removed
+        # the plans the advice covers: one registered while it is computed waits for the
+        # next pass (its registration wakes it), never acted on with advice that lacks it
+        members = self.plans.members
+        current = list(self.plans)
         # the next-use advice of large plans takes a while: never on the event loop
         advice = await asyncio.to_thread(self.plans.planner)
-        free = await self._free_room(now, advice)  # room no planned entry needs
+        free = await self._free_room(now, advice, members)  # room no planned entry needs
         pressed = self._pressed(advice)
         room = 0 if pressed else free  # what lookahead beyond the windows may fill
-        for plan in self.plans:
+        for plan in current:
+            if plan.id not in self.plans:
+                continue  # removed meanwhile
             lookahead = self._lookahead(plan)
             needed = self._window(plan, lookahead, pressed)
             if plan.window != needed:
@@ -728,15 +743,21 @@ class Scheduler:
         planned = advice[0]
         return len(planned) * self._shard_bytes > self.store.cache_size
 
-    async def _free_room(self, now: float, advice: tuple[Any, Any, Any]) -> int:
+    async def _free_room(self, now: float, advice: tuple[Any, Any, Any], members: int) -> int:
         """Bytes the cache can take without evicting an entry a plan needs; measured at
-        most once a second (one scan of the index, on a thread)."""
-        when, room = self._room
-        if now - when < 1.0:
+        most once a second (one scan of the index, on a thread), and again at once when
+        plans come or go (``members``: :attr:`Plans.members` before ``advice`` was
+        computed): a figure from before a plan was registered counts its shards as free."""
+        when, seen, room = self._room
+        if now - when < 1.0 and seen == members:
             return room
         planned, protected, _ = advice
-        room = await asyncio.to_thread(self.store.room_for, set(planned) | set(protected))
-        self._room = (now, room)
+        room, typical = await asyncio.to_thread(self.store.room_for, set(planned) | set(protected))
+        if self._shard_bytes is None and typical is not None:
+            # no background download measured a shard yet: the plans' own cached shards
+            # say how large one is (whether the plans press on the cache depends on it)
+            self._shard_bytes = typical
+        self._room = (now, members, room)
         return room
 
     async def _launch(self, url: str, reason: str) -> bool:
@@ -755,6 +776,7 @@ class Scheduler:
             self._backoff[url] = (time.monotonic() + RETRY_FIRST, n)
             return False
         self._running[url] = dl
+        self._room = (0.0, -1, 0)  # the room it takes: measured again on the next pass
         began = time.monotonic()
         task = asyncio.get_running_loop().create_task(self._follow(url, dl, reason, began))
         self._tasks.add(task)

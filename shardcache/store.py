@@ -1146,15 +1146,23 @@ class Store:
                     ).fetchone()[0]
         return merged, docs  # type: ignore[return-value]
 
-    def room_for(self, planned: Collection[str]) -> int:
-        """Bytes that could be admitted now without evicting an entry whose key is in
-        ``planned``: the free part of the limit plus every other entry."""
+    def room_for(self, planned: Collection[str]) -> tuple[int, float | None]:
+        """(bytes that could be admitted now without evicting an entry whose key is in
+        ``planned``: the free part of the limit plus every other entry; the mean size of
+        the cached entries in ``planned``, None when there are none)."""
         with self._lock:
             conn = self._connect()
             entries_bytes, reserved = self._used(conn)
             rows = conn.execute("SELECT key, size FROM entries").fetchall()
-        other = sum(int(n) for k, n in rows if k not in planned)
-        return max(0, self.disk_limit(entries_bytes) - entries_bytes - reserved) + other
+        other = mine = count = 0
+        for k, n in rows:
+            if k in planned:
+                mine += int(n)
+                count += 1
+            else:
+                other += int(n)
+        free = max(0, self.disk_limit(entries_bytes) - entries_bytes - reserved) + other
+        return free, (mine / count if count else None)
 
     def _move_aside(self, path: Path) -> Path | None:
         """Rename an entry file to a unique ``.del`` name (inside a transaction)."""

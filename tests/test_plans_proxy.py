@@ -226,10 +226,11 @@ def test_cyclic_epochs_over_twice_the_cache_keep_part_of_it_with_plans(rig) -> N
         time.sleep(0.2)  # downloads started ahead have ended
         assert _call(proxy, "DELETE", f"/-/plans/{body['id']}")[0] == 200
         fetched.append(sum(origin.gets.values()) - before)
-    # LRU fetches all 12 every epoch; the plans keep part of the epoch's tail (the
-    # optimum with one shard downloading ahead keeps 5 of the 6 the cache holds)
+    # LRU fetches all 12 every epoch. The optimum keeps the 6 the cache holds: each
+    # epoch streams its first half uncached and reads the second half from the cache;
+    # the plans fetch 6 or 7 (one shard fetched ahead may push out a kept one)
     assert fetched[0] == n
-    assert max(fetched[1:]) <= n - 3, fetched
+    assert max(fetched[1:]) <= n - 4, fetched
 
 
 def test_wait_seconds_measure_the_stall(rig) -> None:
