@@ -432,8 +432,11 @@ async def _shard(request: web.Request) -> web.StreamResponse:
     store = request.app[STORE]
     inflight = request.app[INFLIGHT]
     plans = request.app[PLANS]
+    plan_id = request.headers.get(PLAN_HEADER)
+    if plan_id and plans.shared and plan_id not in plans and not _forwarded(request):
+        await plans.learn(plan_id)  # registered through another worker a moment ago
     if len(plans) and not _forwarded(request):  # counted by the worker it came to
-        matched = plans.on_request(url, request.headers.get(PLAN_HEADER))
+        matched = plans.on_request(url, plan_id)
         if matched:
             request[T_PLANS] = matched
     for _ in range(3):

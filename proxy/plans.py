@@ -266,6 +266,7 @@ class Plans:
         self.store = store
         self.shared = shared  # several processes: plans meet in the store's index
         self._synced_at = 0.0
+        self._asked: dict[str, float] = {}  # plan id -> when a request named it unknown
         self.metrics = metrics
         self.ttl = ttl
         self.default_lookahead = default_lookahead
@@ -315,6 +316,20 @@ class Plans:
                 raise
         return plan
 
+    async def learn(self, plan_id: str) -> None:
+        """A request names plan ``plan_id``, unknown here: another worker may have just
+        registered it, so merge with the others now rather than at the next pass (at
+        most once a second for an id that stays unknown, e.g. a deleted plan's)."""
+        if not self.shared or plan_id in self._plans:
+            return
+        now = time.monotonic()
+        if now - self._asked.get(plan_id, -math.inf) < 1.0:
+            return
+        if len(self._asked) > 1000:
+            self._asked.clear()
+        self._asked[plan_id] = now
+        await self.sync(force=True)
+
     async def unregister(self, plan_id: str) -> Plan:
         """Delete a plan (in every worker)."""
         if self.shared:
@@ -332,6 +347,11 @@ class Plans:
         if not force and now - self._synced_at < 0.2:
             return
         self._synced_at = now
+        if not self._plans and not force:
+            # nothing of ours to merge: a read tells whether another worker has plans,
+            # so an idle worker takes no write lock on the index several times a second
+            if not await asyncio.to_thread(self.store.plans_exist):
+                return
         known = dict(self._plans)
         updates = {pid: p.pending() for pid, p in known.items()}
         sent = {pid: p.counters() for pid, p in known.items()}
@@ -611,7 +631,7 @@ class Scheduler:
                 continue
             with contextlib.suppress(asyncio.TimeoutError):
                 # several workers learn each other's progress from the index
-                tick = TICK / 4 if self.plans.shared and len(self.plans) else TICK
+                tick = TICK / 4 if self.plans.shared else TICK
                 await asyncio.wait_for(changed.wait(), tick)
 
     def _lookahead(self, plan: Plan) -> int:

@@ -1110,6 +1110,15 @@ class Store:
             self._plans_table(conn)
             return conn.execute("DELETE FROM plans WHERE id = ?", (plan_id,)).rowcount > 0
 
+    def plans_exist(self) -> bool:
+        """Whether any process has registered a read plan (a read: no write lock)."""
+        with self._lock:
+            conn = self._connect()
+            try:
+                return conn.execute("SELECT 1 FROM plans LIMIT 1").fetchone() is not None
+            except sqlite3.OperationalError:  # no plans table: none ever registered
+                return False
+
     def plans_sync(
         self,
         updates: Mapping[str, tuple[int, float, float, int, int, int]],

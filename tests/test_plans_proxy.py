@@ -268,8 +268,10 @@ def test_plans_are_shared_by_the_workers_of_one_port(rig) -> None:
     # each call is a new connection: the kernel spreads them over both workers
     for _ in range(6):
         assert _call(proxy, "GET", f"/-/plans/{pid}")[0] == 200
+    # named by its header (as ShardDataset sends it), a plan registered through one
+    # worker counts at the other at once: that worker merges before matching
     for i in range(8):
-        status, _, data = _get(proxy, f"s{i:02d}.tar")
+        status, _, data = _get(proxy, f"s{i:02d}.tar", {"X-Shardcache-Plan": pid})
         assert status == 200 and len(data) == SHARD
     _wait(
         lambda: _call(proxy, "GET", f"/-/plans/{pid}")[1]["requests"] == 8,
@@ -409,3 +411,28 @@ def test_plan_position_with_readers_out_of_order_and_several_epochs() -> None:
         assert idx == i, (u, idx, i)
         plan.advance(idx, 0.0)
     assert plan.done
+
+
+async def test_a_worker_learns_a_plan_named_by_a_request_at_once(tmp_path: Path) -> None:
+    from proxy.metrics import ProxyMetrics
+    from proxy.plans import Plans
+    from shardcache.store import Store
+
+    def worker() -> tuple[Store, Plans]:
+        store = Store(tmp_path / "c", 1 << 30)  # each worker's own handle of one index
+        kw = {"ttl": 600.0, "default_lookahead": 2, "max_plans": 8, "max_shards": 100}
+        return store, Plans(store, ProxyMetrics(), shared=True, **kw)
+
+    (sa, a), (sb, b) = worker(), worker()
+    assert not sb.plans_exist()
+    await b.sync()  # idle: nothing registered anywhere
+    plan = await a.register(["http://o/s00.tar", "http://o/s01.tar"], "job")
+    assert sb.plans_exist() and plan.id not in b  # b merges a few times a second
+    await b.learn(plan.id)  # a request names it: merged at once
+    assert plan.id in b
+    assert [p.id for p in b.on_request("http://o/s00.tar", plan.id)] == [plan.id]
+    await b.learn("p-unknown")
+    await b.learn("p-unknown")  # asked again within a second: no second merge
+    assert "p-unknown" not in b
+    sa.close()
+    sb.close()
