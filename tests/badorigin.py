@@ -181,6 +181,8 @@ def _applies(rule: str, ordinal: int, ranged: bool) -> bool:
         return not ranged
     if rule == "ranged":
         return ranged
+    if rule == "later-ranged":  # a resume or a later part, not a first ranged GET
+        return ranged and ordinal > 1
     raise ValueError(f"unknown rule {rule!r}")
 
 

@@ -259,8 +259,9 @@ def proxy(origin, transport, tmp_path):
 
 def add_malformed_chunked(origin: BadOrigin, path: str, data: bytes, where: str, late: bool):
     """Serve ``data`` at ``path`` with a ``zz`` chunk-size line: ``first``, on every
-    answer after 256 KiB of good chunks; ``ranged``, the first GET cut at 40 % and every
-    206 chunked with the bad line first. ``late``: the bad line 50 ms after what
+    answer after 256 KiB of good chunks; ``ranged``, the first GET (plain, or ranged as
+    the S3 parts ask for part 0) cut at 40 % and every later 206 chunked with the bad
+    line first. ``late``: the bad line 50 ms after what
     precedes it, else in the same send()."""
     v = Version(data, etag=ETAG_OLD, last_modified=LM_OLD)
     if where == "first":
@@ -271,7 +272,7 @@ def add_malformed_chunked(origin: BadOrigin, path: str, data: bytes, where: str,
             versions=[v],
             ranged_framing="chunked",
             bad_chunk_at=0,
-            bad_chunk_on="ranged",
+            bad_chunk_on="later-ranged",
             cut_at=CUT40,
             cut_on="first",
         )

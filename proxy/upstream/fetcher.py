@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -166,9 +166,52 @@ class Fetcher:
     # -- whole objects ---------------------------------------------------------------------
 
     async def open(self, url: str) -> UpstreamBody:
-        """Request ``url`` and return once its headers are in. Raises ProxyError."""
+        """Request ``url`` and return once its headers are in. Raises ProxyError.
+
+        Fetched in parts (``s3://``, and ``http(s)://`` with ``http_parts``), the first
+        request asks for part 0 only (``Range: bytes=0-…``): a plain GET closed after its
+        first part would leave the rest of the object in flight, sent by the origin (and
+        billed) but never used. Its 206 tells the size and version the other parts are
+        pinned to; a whole-object digest is not part of a 206, so none is checked then.
+        """
+        scheme = urlsplit(url).scheme.lower()
+        if self._parts_for(scheme):
+            body = await self._open_first_part(url)
+            if body is not None:
+                return body
         resp = await self._request("GET", url, {}, (200,), stream=True)
-        meta = ObjectMeta.from_headers(resp.headers, 200)
+        return self._body(url, resp, ObjectMeta.from_headers(resp.headers, 200))
+
+    async def _open_first_part(self, url: str) -> UpstreamBody | None:
+        """``url`` opened with a ranged GET of its first part, or None when a plain GET
+        must follow (an empty object, or an answer the parts cannot build on)."""
+        header = f"bytes=0-{self.part_size - 1}"
+        resp = await self._request("GET", url, {"Range": header}, (200, 206, 416), stream=True)
+        if resp.status == 200:  # ranges ignored: the whole object, as a plain GET
+            return self._body(url, resp, ObjectMeta.from_headers(resp.headers, 200))
+        usable = False
+        meta = ObjectMeta(size=None)
+        if resp.status == 206:
+            meta = ObjectMeta.from_headers(resp.headers, 206)
+            try:
+                first, last, total = parse_content_range(resp.headers.get("Content-Range"))
+            except ValueError:
+                first, last, total = -1, -1, None
+            if total is not None and first == 0:
+                meta = replace(meta, accept_ranges=True)
+                whole = last + 1 == total  # the object is no larger than one part
+                usable = whole or can_fetch_in_parts(meta, self.part_size)
+        if not usable:
+            # 416 (an empty object), or a 206 the parts cannot be pinned to (no strong
+            # ETag, no total): the object again with a plain GET
+            log.debug("upstream %s answered %s to %s: plain GET", url, resp.status, header)
+            resp.close()
+            return None
+        return self._body(url, resp, meta)
+
+    def _body(self, url: str, resp: Response, meta: ObjectMeta) -> UpstreamBody:
+        """The body of ``resp``, an open answer from byte 0 of version ``meta``: in
+        parallel parts when they are wanted and possible, else one resumable stream."""
         encoding = resp.headers.get("Content-Encoding")
         if encoding and encoding.lower() != "identity":
             # bytes are stored exactly as sent; a compressed representation is not a shard

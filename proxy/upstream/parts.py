@@ -81,8 +81,8 @@ async def fetch_parts(
 ) -> int:
     """Fetch the whole object ``meta`` as parallel parts, in order into ``sink``.
 
-    ``initial`` may be an open, verified answer from byte 0 (a first plain GET): it serves
-    the first part, so no request is wasted. Returns the number of bytes written; raises
+    ``initial`` may be an open, verified answer from byte 0 (the ranged GET of part 0):
+    it serves the first part, so no request is wasted. Returns the number of bytes written; raises
     the error of a part that failed for good (the sink then holds an incomplete prefix
     that the caller must discard).
     """

@@ -76,6 +76,7 @@ class Origin:
         self.set(data)
         self.honour_if_match = honour_if_match
         self.requests: list[tuple[str, str | None]] = []
+        self.sent = 0  # body bytes handed to the connection (what an origin bills)
 
     def set(self, data: bytes) -> None:
         self.data = data
@@ -95,11 +96,14 @@ class Origin:
             await resp.prepare(request)
             for i in range(0, len(body), 64 * KIB):
                 await resp.write(body[i : i + 64 * KIB])
+                self.sent += len(body[i : i + 64 * KIB])
             await resp.write_eof()
             return resp
         first, _, last = rng.removeprefix("bytes=").partition("-")
         first, last = int(first), min(int(last or len(self.data) - 1), len(self.data) - 1)
         headers["Content-Range"] = f"bytes {first}-{last}/{len(self.data)}"
+        if request.method != "HEAD":
+            self.sent += last + 1 - first
         return web.Response(status=206, body=self.data[first : last + 1], headers=headers)
 
 

@@ -32,17 +32,18 @@ async def _proxy(aiohttp_client, aiohttp_server, tmp_path, data: bytes, *flags: 
 
 
 @pytest.mark.parametrize(
-    "flags, parts",
+    "flags, first",
     [
-        (("--http-parts", "on", "--part-size", "128KiB", "--parallel", "4"), True),
-        (("--part-size", "128KiB", "--parallel", "4"), False),  # http parts are opt-in
-        (("--http-parts", "on", "--part-size", "128KiB", "--parallel", "1"), False),
-        (("--http-parts", "on", "--part-size", "0"), False),
-        (("--http-parts", "on"), False),  # default 8 MiB parts: a 1 MB shard stays one GET
+        (("--http-parts", "on", "--part-size", "128KiB", "--parallel", "4"), "bytes=0-131071"),
+        (("--part-size", "128KiB", "--parallel", "4"), None),  # http parts are opt-in
+        (("--http-parts", "on", "--part-size", "128KiB", "--parallel", "1"), None),
+        (("--http-parts", "on", "--part-size", "0"), None),
+        # default 8 MiB parts: a 1 MB shard comes whole in the answer to the first part
+        (("--http-parts", "on"), "bytes=0-8388607"),
     ],
 )
 async def test_http_parts_only_above_part_size_and_with_parallel(
-    aiohttp_client, aiohttp_server, tmp_path, flags, parts
+    aiohttp_client, aiohttp_server, tmp_path, flags, first
 ):
     origin, client = await _proxy(aiohttp_client, aiohttp_server, tmp_path, DATA, *flags)
     for _ in range(2):  # cold, then warm from the cache
@@ -50,14 +51,44 @@ async def test_http_parts_only_above_part_size_and_with_parallel(
         assert resp.status == 200
         assert await resp.read() == DATA
     gets = [r for m, r in origin.requests if m == "GET"]
-    whole = [r for r in gets if r is None]
-    assert len(whole) == 1  # one logical fetch per shard
-    ranged = [r for r in gets if r is not None]
-    assert bool(ranged) == parts
-    if parts:
-        assert len(ranged) == -(-len(DATA) // (128 * KIB)) - 1  # the first part rides the GET
+    assert gets[0] == first  # the first request asks for the first part only
+    parts = first is not None and first != "bytes=0-8388607"
+    assert len(gets) == (-(-len(DATA) // (128 * KIB)) if parts else 1)
+    assert all(r is not None for r in gets) if first else gets == [None]
     m = client.app[METRICS]
     assert m.upstream_bytes._value.get() == len(DATA)  # bytes fetched = 1x the shard
+    # and bytes the origin sent: no plain GET closed after its first part with the rest
+    # of the object in flight
+    assert origin.sent == len(DATA)
+
+
+async def test_http_parts_fall_back_to_a_plain_get_when_the_first_answer_cannot_pin_them(
+    aiohttp_client, aiohttp_server, tmp_path
+):
+    flags = ("--http-parts", "on", "--part-size", "128KiB", "--parallel", "4")
+    # an empty object: the ranged GET is not satisfiable (416), a plain GET answers
+    origin, client = await _proxy(aiohttp_client, aiohttp_server, tmp_path, b"", *flags)
+    inner = origin.handle
+
+    async def empty(request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Range"):
+            origin.requests.append((request.method, request.headers["Range"]))
+            return web.Response(status=416, headers={"Content-Range": "bytes */0"})
+        return await inner(request)
+
+    origin.handle = empty  # type: ignore[method-assign]
+    resp = await client.get("/obj.tar")
+    assert resp.status == 200 and await resp.read() == b""
+    assert [r for m, r in origin.requests if m == "GET"] == ["bytes=0-131071", None]
+
+    # a weak ETag cannot pin parts to one version: the whole object in one plain GET
+    origin, client = await _proxy(aiohttp_client, aiohttp_server, tmp_path / "w", DATA, *flags)
+    origin.etag = "W/" + origin.etag
+    resp = await client.get("/obj.tar")
+    assert resp.status == 200 and await resp.read() == DATA
+    assert [r for m, r in origin.requests if m == "GET"] == ["bytes=0-131071", None]
+    resp = await client.get("/obj.tar")
+    assert resp.headers["X-Cache"] == "HIT" and await resp.read() == DATA
 
 
 async def test_http_part_failing_every_time_is_never_cached(
