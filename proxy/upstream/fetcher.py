@@ -187,8 +187,11 @@ class Fetcher:
         must follow (an empty object, or an answer the parts cannot build on)."""
         header = f"bytes=0-{self.part_size - 1}"
         resp = await self._request("GET", url, {"Range": header}, (200, 206, 416), stream=True)
-        if resp.status == 200:  # ranges ignored: the whole object, as a plain GET
-            return self._body(url, resp, ObjectMeta.from_headers(resp.headers, 200))
+        if resp.status == 200:
+            # Range ignored (whatever Accept-Ranges claims): the whole object in one
+            # stream, no part asked of an origin that answers every range with all of it
+            meta = replace(ObjectMeta.from_headers(resp.headers, 200), accept_ranges=False)
+            return self._body(url, resp, meta)
         usable = False
         meta = ObjectMeta(size=None)
         if resp.status == 206:

@@ -156,3 +156,26 @@ def test_serve_flags_for_s3(tmp_path):
         with pytest.raises(ConfigError) as ei:
             parse_settings([*base, *argv], environ={})
         assert flag in str(ei.value), (argv, str(ei.value))
+
+
+async def test_http_parts_from_an_origin_that_ignores_range(
+    aiohttp_client, aiohttp_server, tmp_path
+):
+    # like python's http.server: a 200 with the whole object whatever the Range says
+    flags = ("--http-parts", "on", "--part-size", "128KiB", "--parallel", "4")
+    origin, client = await _proxy(aiohttp_client, aiohttp_server, tmp_path, DATA, *flags)
+    inner = origin.handle
+
+    async def plain(request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Range"):
+            origin.requests.append((request.method, "ignored " + request.headers["Range"]))
+        return await inner(request.clone(headers={"Host": request.host}))
+
+    origin.handle = plain  # type: ignore[method-assign]
+    for cache in ("MISS", "HIT"):
+        resp = await client.get("/obj.tar")
+        assert resp.status == 200 and resp.headers["X-Cache"] == cache
+        assert await resp.read() == DATA
+    # one GET, read whole: no parts asked of an origin that cannot serve them
+    assert [r for m, r in origin.requests if m == "GET" and r] == ["ignored bytes=0-131071"]
+    assert origin.sent == len(DATA)
