@@ -85,6 +85,11 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
     else at the host all URLs share, and raises if it cannot; ``plan=False`` never does.
     Plans are named ``"<plan_name or pid>/worker-<k>"`` (``"/node-<r>"`` added on several
     nodes); ``plan_lookahead`` overrides the proxy's ``--plan-lookahead``.
+    ``plan_epochs`` (default 1): each iteration's plan also holds the orders of the next
+    ``plan_epochs - 1`` epochs (``seed + epoch + 1``, ...). With a dataset larger than the
+    cache, ``plan_epochs=2`` lets the proxy keep, at the end of an epoch, the shards the
+    next epoch reads first instead of the ones it reads last; it costs at most the
+    plan's lookahead of shards downloaded ahead after the last epoch.
     """
 
     def __init__(
@@ -105,6 +110,7 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
         plan: bool | None = None,
         plan_name: str | None = None,
         plan_lookahead: int | str | None = None,
+        plan_epochs: int = 1,
     ) -> None:
         super().__init__()
         from shardcache.urls import expand_urls
@@ -128,6 +134,9 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
             raise ValueError("ShardDataset: plan_name longer than 150 characters")
         self.plan_name = plan_name
         self.plan_lookahead = plan_lookahead
+        if isinstance(plan_epochs, bool) or not isinstance(plan_epochs, int) or plan_epochs < 1:
+            raise ValueError(f"ShardDataset: plan_epochs must be an int >= 1, not {plan_epochs!r}")
+        self.plan_epochs = plan_epochs
         self.plan_required = plan is True
         # decided once, here: DataLoader workers get a copy of this object
         self.plan_proxy: str | None = None if plan is False else _plan_proxy(self.urls, plan)
@@ -143,11 +152,13 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
         """Choose the shuffle of this epoch (call before iterating, on every node)."""
         self.epoch = int(epoch)
 
-    def shard_urls(self, env: WorkerEnvironment | None = None) -> list[str]:
-        """The shards this process reads this epoch, in order."""
+    def shard_urls(
+        self, env: WorkerEnvironment | None = None, epoch: int | None = None
+    ) -> list[str]:
+        """The shards this process reads in ``epoch`` (default: this epoch), in order."""
         urls = list(self.urls)
         if self.shuffle:
-            random.Random(self.seed + self.epoch).shuffle(urls)
+            random.Random(self.seed + (self.epoch if epoch is None else epoch)).shuffle(urls)
         env = env or self.env or WorkerEnvironment.detect()
         if self.split_by_node:
             urls = list(split_items(urls, env.rank, env.world_size))
@@ -158,7 +169,10 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
     def __iter__(self) -> Iterator[dict[str, Any]]:
         env = self.env or WorkerEnvironment.detect()
         urls = self.shard_urls(env)
-        plan = self._register_plan(urls, env)
+        planned = list(urls)
+        for ahead in range(1, self.plan_epochs if self.plan_proxy is not None else 1):
+            planned += self.shard_urls(env, self.epoch + ahead)
+        plan = self._register_plan(planned, env)
         try:
             yield from self._samples(urls, plan.headers if plan is not None else None)
         finally:

@@ -422,6 +422,28 @@ def test_dataset_registers_its_exact_order_and_sends_the_plan_header(stub):
     assert stub.requests[-1]["method"] == "DELETE"
 
 
+def test_dataset_plan_epochs_appends_the_next_epochs_orders(stub):
+    urls = [f"{stub.url}/data/train-{i:03d}.tar" for i in range(8)]
+    env = WorkerEnvironment(rank=0, world_size=1, worker=1, num_workers=2)
+    ds = ShardDataset(urls, shuffle=True, seed=5, env=env, plan=True, plan_epochs=3)
+    ds.set_epoch(4)
+    orders = [ds.shard_urls(env, epoch) for epoch in (4, 5, 6)]
+    assert orders[0] == ds.shard_urls(env) and len({tuple(o) for o in orders}) == 3
+    samples = list(ds)
+    # the reader reads this epoch only; the plan holds this epoch and the next two
+    assert len(samples) == sum(3 + int(u[-7:-4]) for u in orders[0])
+    (post,) = stub.of("POST")
+    assert post["body"]["urls"] == orders[0] + orders[1] + orders[2]
+    assert [path for path, _ in shard_gets(stub)] == [u[len(stub.url) :] for u in orders[0]]
+    assert stub.requests[-1]["method"] == "DELETE"
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_dataset_plan_epochs_must_be_a_positive_int(stub, bad):
+    with pytest.raises(ValueError, match="plan_epochs"):
+        ShardDataset(f"{stub.url}/data/train-000.tar", plan=True, plan_epochs=bad)
+
+
 def test_dataset_plan_name_defaults_to_the_pid(stub):
     ds = ShardDataset(f"{stub.url}/data/train-{{000..001}}.tar", plan=True)
     list(ds)
@@ -823,6 +845,19 @@ def test_e2e_shard_dataset_plans_itself(fresh, monkeypatch):
     next(it)
     (plan,) = list_plans(proxy.url)
     assert plan["name"] == "ds/worker-0" and plan["shards"] == 6 and plan["position"] == 1
+    assert len(list(it)) == 6 * 4 - 1
+    assert list_plans(proxy.url) == []
+
+
+@e2e
+def test_e2e_shard_dataset_plans_the_next_epoch_too(fresh, monkeypatch):
+    origin, proxy = fresh
+    monkeypatch.setenv("SHARDCACHE_PROXY", proxy.url)
+    ds = ShardDataset(f"{proxy.url}/data/train-{{000..005}}.tar", shuffle=True, plan_epochs=2)
+    it = iter(ds)
+    next(it)
+    (plan,) = list_plans(proxy.url)
+    assert plan["shards"] == 12 and plan["position"] == 1
     assert len(list(it)) == 6 * 4 - 1
     assert list_plans(proxy.url) == []
 
