@@ -1115,6 +1115,7 @@ async def _refresh_gauges(app: web.Application) -> dict[str, Any]:
     m.cache_size.set(st["bytes"])
     m.cache_entries.set(st["entries"])
     m.cache_limit.set(st["limit"])
+    m.cache_effective_limit.set(st["effective_limit"])
     return st
 
 

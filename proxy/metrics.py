@@ -11,6 +11,8 @@ Names (all prefixed ``shardcache_``)::
     upstream_bytes_total              body bytes received from upstreams
     cache_size_bytes                  bytes in complete entries
     cache_limit_bytes                 the configured bound
+    cache_effective_limit_bytes       the bound in force: the configured one, lowered while
+                                      the filesystem holds less (free space above --min-free)
     cache_entries                     complete entries
     evictions_total                   entries evicted
     evicted_bytes_total               bytes evicted
@@ -88,6 +90,13 @@ class ProxyMetrics:
         self.cache_limit = Gauge(
             "shardcache_cache_limit_bytes",
             "Configured bound on cached bytes.",
+            registry=r,
+            multiprocess_mode=latest,
+        )
+        self.cache_effective_limit = Gauge(
+            "shardcache_cache_effective_limit_bytes",
+            "Bound on cached bytes in force: the configured one, lowered while the "
+            "filesystem has less room (entries + free space - min free).",
             registry=r,
             multiprocess_mode=latest,
         )

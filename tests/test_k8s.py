@@ -443,6 +443,13 @@ def test_alerts_cover_what_an_operator_needs():
     upstream = [e for e in exprs.values() if "shardcache_upstream_requests_total" in e]
     assert upstream and 'outcome=~"error|timeout|aborted"' in upstream[0]
     assert "shardcache_failed_downloads_total" in joined
+    # disk near full: the bound in force against the configured one
+    assert any(
+        "shardcache_cache_effective_limit_bytes" in e and "shardcache_cache_limit_bytes" in e
+        for e in exprs.values()
+    )
+    # the readers' stall
+    assert re.search(r"rate\(shardcache_client_wait_seconds_total\[\w+\]\)", joined)
 
 
 def test_rule_label_values_are_ones_the_proxy_sets():

@@ -313,6 +313,23 @@ def test_cache_size_larger_than_the_filesystem_keeps_min_free(rig, origin):
     assert free_bytes(fs) >= floor
 
 
+def test_other_data_filling_the_disk_lowers_the_bound_in_force(rig, origin):
+    """shardcache_cache_effective_limit_bytes (the ShardcacheDiskNearFull alert) follows
+    the free space; the configured bound stays."""
+    fs = rig.mount_tmpfs("fs", "size=64m")
+    p = rig.proxy(fs / "cache", "--upstream", origin.url, "--cache-size", "40M", "--min-free", "8M")
+    text = metrics(p.port)
+    assert sample_value(text, "shardcache_cache_limit_bytes") == [40e6], text
+    assert sample_value(text, "shardcache_cache_effective_limit_bytes") == [40e6], text
+    (fs / "other").write_bytes(b"\0" * (40 * MiB))
+    text = metrics(p.port)
+    effective = sample_value(text, "shardcache_cache_effective_limit_bytes")
+    assert effective == [float(free_bytes(fs) - 8_000_000)], (effective, free_bytes(fs))
+    assert effective[0] < 0.9 * 40e6
+    assert sample_value(text, "shardcache_cache_limit_bytes") == [40e6]
+    assert stats(p.port)["store"]["effective_limit"] == effective[0]
+
+
 def test_min_free_percent_is_accepted(rig, origin, tmp_path):
     origin.files["a.tar"] = b"a" * 5000
     p = rig.proxy(tmp_path / "cache", "--upstream", origin.url, "--min-free", "10%")
