@@ -1263,7 +1263,11 @@ async def _plans_add(request: web.Request) -> web.Response:
         body = await request.json()
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"body is not valid JSON: {exc}") from None
-    plans.check_room()  # before any work on the URLs
+    replace = body.get("replace", False) if isinstance(body, dict) else False
+    if not isinstance(replace, bool):
+        raise BadRequest(f'"replace" must be true or false, not {replace!r}')
+    if not replace:
+        plans.check_room()  # before any work on the URLs (a replacing plan takes a room)
     limit = plans.max_shards
 
     def canonical() -> list[str]:  # a large plan maps its URLs off the event loop
@@ -1277,7 +1281,7 @@ async def _plans_add(request: web.Request) -> web.Response:
         return urls
 
     urls = await asyncio.to_thread(canonical)
-    plan = await plans.register(urls, body.get("name"), body.get("lookahead"))
+    plan = await plans.register(urls, body.get("name"), body.get("lookahead"), replace=replace)
     status = plan.status(time.monotonic())
     return web.json_response(
         {

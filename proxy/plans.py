@@ -301,20 +301,35 @@ class Plans:
 
     # -- registry ------------------------------------------------------------------------
 
-    async def register(self, urls: Sequence[str], name: Any, lookahead: Any = None) -> Plan:
-        """Add a plan; with several workers, make it known to all of them."""
+    async def register(
+        self, urls: Sequence[str], name: Any, lookahead: Any = None, *, replace: bool = False
+    ) -> Plan:
+        """Add a plan; with several workers, make it known to all of them. ``replace``:
+        the plans of the same name end once this one is registered (a reader's plan for
+        its next epoch takes over from the one that still holds it, with no moment when
+        neither does)."""
+        if replace and not name:
+            raise BadRequest('"replace" needs a "name": the plans of that name are replaced')
         if self.shared:
             await self.sync(force=True)
-        self.check_room()
-        plan = await asyncio.to_thread(self.build, urls, name, lookahead)
-        self.insert(plan)
+        replacing = len(self._named(name)) if replace else 0
+        self.check_room(replacing)
+        plan = await asyncio.to_thread(self.build, urls, name, lookahead, replacing)
+        old = self._named(name) if replace else []
+        self.insert(plan, len(old))
         if self.shared:
             try:
                 await asyncio.to_thread(self.store.plan_put, plan.id, plan.doc())
             except BaseException:
                 self._drop(plan.id)
                 raise
+        for pid in old:
+            with contextlib.suppress(NotFound):  # deleted meanwhile
+                await self.unregister(pid, f"replaced by {plan.id}")
         return plan
+
+    def _named(self, name: Any) -> list[str]:
+        return [p.id for p in self._plans.values() if name and p.name == name]
 
     async def learn(self, plan_id: str) -> None:
         """A request names plan ``plan_id``, unknown here: another worker may have just
@@ -330,13 +345,13 @@ class Plans:
         self._asked[plan_id] = now
         await self.sync(force=True)
 
-    async def unregister(self, plan_id: str) -> Plan:
+    async def unregister(self, plan_id: str, why: str = "deleted") -> Plan:
         """Delete a plan (in every worker)."""
         if self.shared:
             await self.sync(force=True)
             self.get(plan_id)  # NotFound when no worker knows it
             await asyncio.to_thread(self.store.plan_delete, plan_id)
-        return self.remove(plan_id)
+        return self.remove(plan_id, why)
 
     async def sync(self, *, force: bool = False) -> None:
         """Merge progress with the other workers (several processes only), at most five
@@ -390,15 +405,18 @@ class Plans:
             created=float(d.get("created") or time.time()),
         )
 
-    def check_room(self) -> None:
-        """400 when no further plan may be registered (before any work on its URLs)."""
-        if len(self._plans) >= self.max_plans:
+    def check_room(self, replacing: int = 0) -> None:
+        """400 when no further plan may be registered (before any work on its URLs);
+        ``replacing``: how many plans the new one replaces (it takes their room)."""
+        if len(self._plans) - replacing >= self.max_plans:
             raise BadRequest(
                 f"{len(self._plans)} plans are registered, the most this proxy keeps "
                 "(--max-plans): DELETE /-/plans/ID the plans that ended"
             )
 
-    def build(self, urls: Sequence[str], name: Any, lookahead: Any = None) -> Plan:
+    def build(
+        self, urls: Sequence[str], name: Any, lookahead: Any = None, replacing: int = 0
+    ) -> Plan:
         """A new plan, checked but not registered: safe off the event loop."""
         if not urls:
             raise BadRequest("a plan needs at least one URL")
@@ -408,7 +426,7 @@ class Plans:
                 "(--max-plan-shards)",
                 status_hint=413,
             )
-        self.check_room()
+        self.check_room(replacing)
         if name is not None and (not isinstance(name, str) or len(name) > MAX_NAME):
             raise BadRequest(f'"name" must be a string of at most {MAX_NAME} characters')
         shards, nbytes = (
@@ -425,9 +443,10 @@ class Plans:
         )
         return plan
 
-    def insert(self, plan: Plan) -> None:
-        """Register a plan made by :meth:`build` (the part that runs on the event loop)."""
-        self.check_room()
+    def insert(self, plan: Plan, replacing: int = 0) -> None:
+        """Register a plan made by :meth:`build` (the part that runs on the event loop);
+        ``replacing``: how many plans it replaces (removed right after)."""
+        self.check_room(replacing)
         self._plans[plan.id] = plan
         self.metrics.plans.set(len(self._plans))
         self._touch(members=True)

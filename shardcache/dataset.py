@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import os
 import random
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -88,8 +89,10 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
     ``plan_epochs`` (default 1): each iteration's plan also holds the orders of the next
     ``plan_epochs - 1`` epochs (``seed + epoch + 1``, ...). With a dataset larger than the
     cache, ``plan_epochs=2`` lets the proxy keep, at the end of an epoch, the shards the
-    next epoch reads first instead of the ones it reads last; it costs at most the
-    plan's lookahead of shards downloaded ahead after the last epoch.
+    next epoch reads first instead of the ones it reads last. Such a plan outlives an
+    iteration that reads to its end (it still holds what comes next) and is replaced by
+    the next iteration's; after the last epoch it ends ``--plan-ttl`` seconds after its
+    last request, or at :meth:`end_plans`.
     """
 
     def __init__(
@@ -173,11 +176,16 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
         for ahead in range(1, self.plan_epochs if self.plan_proxy is not None else 1):
             planned += self.shard_urls(env, self.epoch + ahead)
         plan = self._register_plan(planned, env)
+        finished = False
         try:
             yield from self._samples(urls, plan.headers if plan is not None else None)
+            finished = True
         finally:
             if plan is not None:
-                plan.close()
+                if finished and len(planned) > len(urls):
+                    plan.release()  # it holds the next epoch until that one's replaces it
+                else:
+                    plan.close()
 
     def _samples(self, urls: list[str], headers: dict[str, str] | None) -> Iterator[dict]:
         from shardcache.cachestream import cache_shards
@@ -213,12 +221,40 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
         from shardcache.plans import Plan, PlanError
 
         try:
-            return Plan(urls, self.plan_proxy, self.plan_label(env), self.plan_lookahead)
+            return Plan(
+                urls,
+                self.plan_proxy,
+                self.plan_label(env),
+                self.plan_lookahead,
+                replace=self.plan_epochs > 1,
+            )
         except PlanError as exc:
             if self.plan_required:
                 raise
             log.warning("reading without a read plan: %s", exc)
             return None
+
+    def end_plans(self) -> int:
+        """Delete this dataset's read plans that outlived their iteration
+        (``plan_epochs > 1``): call it after the last epoch. Returns how many were
+        deleted. Plans of other datasets and other nodes are left alone (they are told
+        apart by their names: ``plan_name``, by default the process id, and the node)."""
+        if self.plan_proxy is None:
+            return 0
+        from shardcache.plans import PlanError, delete_plan, list_plans
+
+        env = self.env or WorkerEnvironment.detect()
+        mine = re.compile(re.escape(self.plan_label(env).rsplit("/", 1)[0]) + r"/worker-\d+")
+        n = 0
+        for p in list_plans(self.plan_proxy):
+            if mine.fullmatch(str(p.get("name") or "")):
+                try:
+                    delete_plan(str(p["id"]), self.plan_proxy)
+                    n += 1
+                except PlanError as exc:
+                    if exc.status != 404:
+                        raise
+        return n
 
     def dbcache(self, fname: str | os.PathLike, size: int, **kw: Any) -> DBCache:
         """Keep the first ``size`` samples in the SQLite file ``fname`` (a fixed validation

@@ -166,6 +166,7 @@ class Plan:
         name: str | None = None,
         lookahead: int | str | None = None,
         *,
+        replace: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         self.proxy = _resolve(proxy)
@@ -182,6 +183,10 @@ class Plan:
         look = _check_lookahead(lookahead)
         if look is not None:
             body["lookahead"] = look
+        if replace:
+            if not name:
+                raise ValueError("plan: replace=True needs a name (the plans it replaces)")
+            body["replace"] = True
         _, answer = _request("POST", f"{self.proxy}/-/plans", body, timeout=timeout)
         if not isinstance(answer, dict) or not isinstance(answer.get("id"), str):
             raise PlanError(f"{self.proxy}/-/plans", f"answer has no plan id: {answer!r}")
@@ -223,6 +228,12 @@ class Plan:
             else:
                 log.warning("could not delete read plan %s: %s", self.id, exc)
 
+    def release(self) -> None:
+        """Stop managing the plan here without deleting it at the proxy: it ends when a
+        plan registered with ``replace=True`` under its name replaces it, when it is
+        deleted, or ``--plan-ttl`` seconds after its reader's last request."""
+        self.closed = True
+
     def __enter__(self) -> Plan:
         return self
 
@@ -244,6 +255,8 @@ def plan(
     proxy: str | None = None,
     name: str | None = None,
     lookahead: int | str | None = None,
+    *,
+    replace: bool = False,
 ) -> Plan:
     """Register the read order ``urls`` at a proxy and return the :class:`Plan`.
 
@@ -253,12 +266,13 @@ def plan(
     S3 front. A shard may appear several times (several epochs). ``proxy``: the proxy's
     address, default ``SHARDCACHE_PROXY`` (a ValueError says so when neither is given).
     ``name``: free text shown in listings. ``lookahead``: shards to keep ready ahead (an
-    int) or bytes (``"2GiB"``); default the proxy's ``--plan-lookahead``.
+    int) or bytes (``"2GiB"``); default the proxy's ``--plan-lookahead``. ``replace``:
+    the proxy ends the plans named ``name`` once this one is registered (needs ``name``).
 
     Raises :class:`PlanError` with the proxy's message when it refuses the plan or cannot
     be reached. Use it as a context manager, or call :meth:`Plan.close` when done.
     """
-    return Plan(urls, proxy, name, lookahead)
+    return Plan(urls, proxy, name, lookahead, replace=replace)
 
 
 def list_plans(proxy: str | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> list[dict]:

@@ -435,7 +435,23 @@ def test_dataset_plan_epochs_appends_the_next_epochs_orders(stub):
     (post,) = stub.of("POST")
     assert post["body"]["urls"] == orders[0] + orders[1] + orders[2]
     assert [path for path, _ in shard_gets(stub)] == [u[len(stub.url) :] for u in orders[0]]
-    assert stub.requests[-1]["method"] == "DELETE"
+    # the plan outlives the iteration (it holds what comes next); the next one replaces it
+    assert post["body"]["replace"] is True and post["body"]["name"].endswith("/worker-1")
+    assert stub.of("DELETE") == []
+
+
+def test_dataset_plan_epochs_deletes_the_plan_of_an_abandoned_iteration(stub):
+    ds = ShardDataset(f"{stub.url}/data/train-{{000..003}}.tar", plan=True, plan_epochs=2)
+    it = iter(ds)
+    next(it)
+    it.close()
+    assert len(stub.of("DELETE")) == 1
+
+
+def test_plan_replace_needs_a_name(stub):
+    with pytest.raises(ValueError, match="name"):
+        shardcache.plan([f"{stub.url}/data/train-000.tar"], stub.url, replace=True)
+    assert stub.of("POST") == []
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
@@ -854,12 +870,26 @@ def test_e2e_shard_dataset_plans_the_next_epoch_too(fresh, monkeypatch):
     origin, proxy = fresh
     monkeypatch.setenv("SHARDCACHE_PROXY", proxy.url)
     ds = ShardDataset(f"{proxy.url}/data/train-{{000..005}}.tar", shuffle=True, plan_epochs=2)
+    other = shardcache.plan(["/data/train-000.tar"], proxy.url, name="someone-else")
+    mine = lambda: [p for p in list_plans(proxy.url) if p["id"] != other.id]  # noqa: E731
     it = iter(ds)
     next(it)
-    (plan,) = list_plans(proxy.url)
+    (plan,) = mine()
     assert plan["shards"] == 12 and plan["position"] == 1
     assert len(list(it)) == 6 * 4 - 1
-    assert list_plans(proxy.url) == []
+    # read to its end, the plan stays: it holds epoch 2, until epoch 2's plan replaces it
+    (kept,) = mine()
+    assert kept["id"] == plan["id"] and kept["position"] == 6
+    ds.set_epoch(1)
+    it = iter(ds)
+    next(it)
+    (plan2,) = mine()
+    assert plan2["id"] != plan["id"] and plan2["name"] == plan["name"]
+    assert plan2["position"] == 1
+    assert len(list(it)) == 6 * 4 - 1
+    assert ds.end_plans() == 1
+    assert mine() == [] and [p["id"] for p in list_plans(proxy.url)] == [other.id]
+    other.close()
 
 
 @e2e

@@ -135,6 +135,33 @@ def test_api_rejects_bad_plans(rig) -> None:
     assert status == 400 and "--max-plans" in text
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_api_replace_ends_the_plans_of_the_same_name(rig, workers) -> None:
+    _, proxy = rig(_files(4), "--max-plans", "2", "--workers", workers)
+    status, text, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"], "replace": True})
+    assert status == 400 and "name" in text
+    body = {"urls": ["/s00.tar"], "name": "job/worker-0", "replace": "yes"}
+    status, text, _ = _call(proxy, "POST", "/-/plans", body)
+    assert status == 400 and "replace" in text
+    ids = {}
+    for name in ("job/worker-0", "other"):
+        status, body, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"], "name": name})
+        assert status == 201, body
+        ids[name] = body["id"]
+    # at --max-plans a plain plan is refused; one that replaces takes its room
+    status, text, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s01.tar"], "name": "x"})
+    assert status == 400 and "--max-plans" in text
+    new = {"pattern": "/s{01..03}.tar", "name": "job/worker-0", "replace": True}
+    status, body, _ = _call(proxy, "POST", "/-/plans", new)
+    assert status == 201, body
+    # each call is a new connection: with two workers both answer, and agree
+    for _ in range(4):
+        listing = _call(proxy, "GET", "/-/plans")[1]["plans"]
+        got = sorted((p["name"], p["id"], p["shards"]) for p in listing)
+        assert got == [("job/worker-0", body["id"], 3), ("other", ids["other"], 1)], got
+    assert _call(proxy, "GET", f"/-/plans/{ids['job/worker-0']}")[0] == 404
+
+
 def test_api_needs_the_admin_token_when_set(rig) -> None:
     _, proxy = rig(_files(1), "--admin-token", "sekret")
     assert _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"]})[0] == 401
