@@ -1,4 +1,5 @@
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,12 +33,28 @@ def test_no_command_prints_help_and_fails():
     assert "usage: shardcache" in res.stdout
 
 
-def test_every_subcommand_help_renders():
-    """argparse formats help lazily: a stray % in one flag's text breaks only --help."""
-    for command in ("serve", "check", "prefetch", "stats", "ls"):
-        res = run_cli(command, "--help")
+def test_every_subcommand_help_renders_as_plain_text():
+    """argparse formats help lazily: a stray % in one flag's text breaks only --help; and
+    a docstring passed as a description brings its reStructuredText markup along."""
+    commands = [
+        ["serve"],
+        ["check"],
+        ["demo"],
+        ["dbcache"],
+        ["dbcache", "build"],
+        ["dbcache", "info"],
+        ["dbcache", "export"],
+        ["prefetch"],
+        ["plan"],
+        ["stats"],
+        ["ls"],
+    ]
+    for command in [[], *commands]:
+        res = run_cli(*command, "--help")
         assert res.returncode == 0, (command, res.stderr)
-        assert f"usage: shardcache {command}" in res.stdout
+        assert f"usage: {' '.join(['shardcache', *command])} " in res.stdout, res.stdout
+        markup = re.findall(r"``|:(?:func|class|meth|mod|attr):`|\*\*\w", res.stdout)
+        assert not markup, (command, markup, res.stdout)
     assert "(10%)" in run_cli("serve", "--help").stdout
 
 

@@ -152,7 +152,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo",
         help="show the cache at work on this machine (no internet needed)",
-        description=__doc__.splitlines()[0] if __doc__ else None,
+        description="See the cache at work on this machine, no internet needed: an origin "
+        "and the proxy on 127.0.0.1, shards read through it twice, cold then warm "
+        "(--library: the same with cache_shards in this process).",
     )
     parser.add_argument(
         "--library",
