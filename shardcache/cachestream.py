@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from shardcache.errors import CacheError, IncompleteDownloadError
-from shardcache.store import NoRoomError, Partial, Store
+from shardcache.store import DEFAULT_CACHE_SIZE, DEFAULT_POLICY, NoRoomError, Partial, Store
 from shardcache.urls import expand_urls, guess_shard
 
 __all__ = ["CacheStream", "cache_shards", "open_cached", "stream_length"]
@@ -344,13 +344,13 @@ def _expand(urls: str | Iterable[str | dict]) -> Iterator[dict]:
 def cache_shards(
     urls: str | Iterable[str | dict],
     cache_dir: str | os.PathLike | None = "./data",
-    cache_size: float = 1e15,
+    cache_size: float = DEFAULT_CACHE_SIZE,
     cache_name: Callable[[str], str] = guess_shard,
     verbose: bool = False,
     *,
     handler: Callable[[BaseException], bool] | None = None,
     store: Store | None = None,
-    policy: str = "lru",
+    policy: str = DEFAULT_POLICY,
     **gopen_kw: Any,
 ) -> Iterator[dict]:
     """Yield ``dict(url=..., stream=...)`` per shard, caching shards in ``cache_dir``.

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from shardcache.handlers import reraise_exception
+from shardcache.store import DEFAULT_CACHE_SIZE
 from shardcache.workers import WorkerEnvironment, split_items
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -102,7 +103,7 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
         shuffle: bool = False,
         seed: int | None = None,
         cache_dir: str | os.PathLike | None = None,
-        cache_size: float = 1e15,
+        cache_size: float = DEFAULT_CACHE_SIZE,
         handler: Callable[[BaseException], bool] = reraise_exception,
         split_by_node: bool = True,
         split_by_worker: bool = True,

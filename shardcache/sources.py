@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from typing import BinaryIO, Protocol, runtime_checkable
 
 from shardcache.cachestream import open_cached
-from shardcache.store import Store
+from shardcache.store import DEFAULT_CACHE_SIZE, DEFAULT_POLICY, Store
 
 __all__ = ["DataSource", "URLSource", "CachedSource"]
 
@@ -93,9 +93,9 @@ class CachedSource:
         self,
         source_or_urls: DataSource | str | Iterable[str],
         cache_dir: str | os.PathLike,
-        cache_size: float = 1e15,
+        cache_size: float = DEFAULT_CACHE_SIZE,
         *,
-        policy: str = "lru",
+        policy: str = DEFAULT_POLICY,
         verbose: bool = False,
     ) -> None:
         if isinstance(source_or_urls, DataSource):

@@ -89,6 +89,8 @@ log = logging.getLogger(__name__)
 
 EvictionPolicy = Literal["lru", "fifo", "keep"]
 DEFAULT_POLICY: EvictionPolicy = "lru"  # the proxy's --eviction default too
+# the library's bound when none is given: none in practice (webdataset's cache_size default)
+DEFAULT_CACHE_SIZE: int = 10**15
 
 INDEX_NAME = ".shardcache.sqlite"
 PART_SUFFIX = ".part"
@@ -488,7 +490,7 @@ class Store:
     def __init__(
         self,
         cache_dir: str | os.PathLike,
-        cache_size: int = 10**15,
+        cache_size: int = DEFAULT_CACHE_SIZE,
         policy: EvictionPolicy = DEFAULT_POLICY,
         on_evict: Callable[[Entry], None] | None = None,
         *,

@@ -69,8 +69,22 @@ def test_the_table_is_the_only_source_of_settings_defaults():
 
 def test_the_upstream_clients_take_their_defaults_from_the_table():
     fetcher = inspect.signature(Fetcher).parameters
-    for name in ("connect_timeout", "read_timeout", "retries", "retry_backoff", "chunk_size"):
+    for name in (
+        "connect_timeout",
+        "read_timeout",
+        "retries",
+        "retry_backoff",
+        "chunk_size",
+        "part_size",
+        "parallel",
+        "http_parts",
+    ):
         assert fetcher[name].default is DEFAULTS[name], name
+    assert fetcher["threaded"].default is (DEFAULTS["http_transport"] == "threads")
+    from proxy.upstream import parts
+
+    assert parts.DEFAULT_PART_SIZE is DEFAULTS["part_size"]
+    assert parts.DEFAULT_PARALLEL is DEFAULTS["parallel"]
     s3 = inspect.signature(S3Upstream).parameters
     for name in ("connect_timeout", "read_timeout"):
         assert s3[name].default is DEFAULTS[name], name
@@ -296,3 +310,16 @@ def test_a_missing_or_broken_file_names_config(base, tmp_path, text):
     with pytest.raises(ConfigError) as ei:
         parse_settings([*base, "--config", str(path)], {})
     assert ei.value.flag == "--config"
+
+
+def test_the_library_writes_its_cache_defaults_once():
+    from shardcache.cachestream import cache_shards
+    from shardcache.dataset import ShardDataset
+    from shardcache.sources import CachedSource
+    from shardcache.store import DEFAULT_CACHE_SIZE, DEFAULT_POLICY, Store
+
+    for fn in (Store, cache_shards, ShardDataset, CachedSource):
+        params = inspect.signature(fn).parameters
+        assert params["cache_size"].default is DEFAULT_CACHE_SIZE, fn
+        if "policy" in params:
+            assert params["policy"].default is DEFAULT_POLICY, fn

@@ -75,11 +75,11 @@ class Fetcher:
         chunk_size: int = DEFAULTS["chunk_size"],
         observe: Observer = _noop,
         on_bytes: Callable[[int], None] | None = None,
-        part_size: int = 0,
-        parallel: int = 1,
-        http_parts: bool = False,
+        part_size: int = DEFAULTS["part_size"],
+        parallel: int = DEFAULTS["parallel"],
+        http_parts: bool = DEFAULTS["http_parts"],
         s3: S3Upstream | None = None,
-        threaded: bool = True,
+        threaded: bool = DEFAULTS["http_transport"] == "threads",
     ) -> None:
         self.observe = observe
         self.policy = Policy(retries, retry_backoff, observe, on_bytes)
