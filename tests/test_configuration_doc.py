@@ -71,3 +71,25 @@ def test_check_mode_fails_on_a_stale_file(tmp_path, monkeypatch):
     assert gen_configuration.main(["--check"]) == 1
     assert gen_configuration.main([]) == 0
     assert gen_configuration.main(["--check"]) == 0
+
+
+def test_tool_options_are_documented_from_their_declaration_not_their_help_text():
+    import pytest
+
+    from shardcache.cli.common import ToolError, add_option
+    from shardcache.cli.configref import option_rows
+
+    p = argparse.ArgumentParser()
+    add_option(p, "--rate", type=float, default=2.5, help="reads a second", env="X_RATE")
+    add_option(p, "--home", default=None, help="where", shown_default="the current directory")
+    p.add_argument("--flag", action="store_true", help="a switch")
+    assert "reads a second (default: 2.5) [env X_RATE]" in p.format_help()
+    assert option_rows(p) == [
+        ("--rate RATE", "X_RATE", "2.5", "reads a second"),
+        ("--home HOME", "", "the current directory", "where"),
+        ("--flag", "", "", "a switch"),
+    ]
+    # a default or a variable written only in the help text is refused, not parsed
+    p.add_argument("--old", default=None, help="something (default: 3)")
+    with pytest.raises(ToolError, match="--old"):
+        option_rows(p)

@@ -10,6 +10,7 @@ import math
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import IO, Any
 from urllib.parse import quote, urlsplit
@@ -19,10 +20,55 @@ from shardcache.plans import TOKEN_ENV
 
 DEFAULT_PROXY = "http://127.0.0.1:8080"
 PROXY_ENV = "SHARDCACHE_PROXY"
+CACHE_DIR_ENV = "SHARDCACHE_CACHE_DIR"  # the variable serve reads too (settings table)
 CHUNK = 1 << 20
 
 
-PROXY_HELP = f"URL of the running proxy (default: {DEFAULT_PROXY}) [env {PROXY_ENV}]"
+def add_option(
+    parser: argparse.ArgumentParser | Any,
+    *flags: str,
+    help: str,
+    env: str | None = None,
+    shown_default: str | None = None,
+    **kw: Any,
+) -> argparse.Action:
+    """``parser.add_argument(*flags, **kw)`` for an option of a tool, declared once: its
+    ``--help`` line gets ``(default: X)`` (from ``default``, or ``shown_default`` when the
+    real default is computed at run time) and ``[env VAR]`` appended, and the action
+    keeps ``help``, ``env`` and the default apart as ``action.doc`` for the
+    configuration reference, which thus never parses help text."""
+    default = kw.get("default")
+    if shown_default is None and default not in (None, False, argparse.SUPPRESS):
+        shown_default = f"{default:g}" if isinstance(default, float) else str(default)
+    text = help
+    if shown_default:
+        text += f" (default: {shown_default})"
+    if env:
+        text += f" [env {env}]"
+    action = parser.add_argument(*flags, help=text, **kw)
+    action.doc = OptionDoc(help.replace("%%", "%"), env or "", shown_default or "")  # type: ignore[attr-defined]
+    return action
+
+
+@dataclass(frozen=True)
+class OptionDoc:
+    """What the configuration reference shows of a tool's option."""
+
+    help: str
+    env: str
+    default: str
+
+
+def add_proxy_option(parser: argparse.ArgumentParser) -> argparse.Action:
+    """``--proxy URL`` of the tools that talk to a running proxy."""
+    return add_option(
+        parser,
+        "--proxy",
+        default=None,
+        help="URL of the running proxy",
+        env=PROXY_ENV,
+        shown_default=DEFAULT_PROXY,
+    )
 
 
 class ToolError(ShardcacheError):

@@ -5,16 +5,11 @@ parsers."""
 from __future__ import annotations
 
 import argparse
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from shardcache.cli.common import PROXY_ENV, ToolError
+from shardcache.cli.common import OptionDoc, ToolError
 
 # --------------------------------------------------------------------------- configuration
-
-
-_DEFAULT_RE = re.compile(r"\s*\(default:? ([^()]*(?:\([^()]*\))?[^()]*)\)")
-_ENV_RE = re.compile(r"\s*\[env [A-Z0-9_]+\]|\s*\(env [A-Z0-9_]+[^)]*\)")
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
@@ -39,15 +34,12 @@ def setting_rows() -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def option_rows(
-    parser: argparse.ArgumentParser, env_of: Callable[[argparse.Action], str | None]
-) -> list[tuple[str, str, str, str]]:
+def option_rows(parser: argparse.ArgumentParser) -> list[tuple[str, str, str, str]]:
     """(flag, environment variable, default, meaning) for each option of a tool's
-    ``parser``.
-
-    The default is the argparse default when there is one, else what the help text says
-    in ``(default X)``; the help text loses its ``[env ...]`` and ``(default ...)`` notes.
-    """
+    ``parser``: what :func:`~shardcache.cli.common.add_option` recorded of it (its help,
+    variable and default, kept apart from the ``--help`` line), else the argparse help
+    and default as they are. A help line that names a default or a variable without
+    that record is an error: the reference does not parse help text."""
     rows = []
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction) or not action.option_strings:
@@ -55,23 +47,24 @@ def option_rows(
         flag = max(action.option_strings, key=len)
         if action.nargs != 0:
             flag += " " + (action.metavar or action.dest.upper())
-        text = (action.help or "").replace("%%", "%")  # argparse escapes
-        default = ""
-        if action.default not in (None, False, argparse.SUPPRESS):
-            default = str(action.default)
-        m = _DEFAULT_RE.search(text)
-        if m:
-            default = default or m.group(1).strip()
-            text = text[: m.start()] + text[m.end() :]
-        text = _ENV_RE.sub("", text).strip()
-        if "(required)" in text:
-            text = text.replace("(required)", "").strip()
+        doc: OptionDoc | None = getattr(action, "doc", None)
+        if doc is None:
+            text = (action.help or "").replace("%%", "%")  # argparse escapes
+            if "(default" in text or "[env " in text:
+                raise ToolError(f"{flag}: declare it with add_option(), not in its help text")
+            default = ""
+            if action.default not in (None, False, argparse.SUPPRESS):
+                default = str(action.default)
+            env = ""
+        else:
+            text, env, default = doc.help, doc.env, doc.default
+        if action.required:
             default = "required"
         if action.choices:
             text += " (one of: " + ", ".join(map(str, action.choices)) + ")"
         if isinstance(action, argparse._AppendAction):
             text += " (repeatable)" if "repeatable" not in text else ""
-        rows.append((flag, env_of(action) or "", default, " ".join(text.split())))
+        rows.append((flag, env, default, " ".join(text.split())))
     return rows
 
 
@@ -95,9 +88,6 @@ def configuration_reference() -> str:
     from shardcache.cli import build_parser
 
     parser = build_parser()
-
-    def tool_env(action: argparse.Action) -> str | None:
-        return {"proxy": PROXY_ENV, "cache_dir": "SHARDCACHE_CACHE_DIR"}.get(action.dest)
 
     parts = [
         "# Configuration reference",
@@ -138,7 +128,7 @@ def configuration_reference() -> str:
             "",
             " ".join((sub.description or getattr(sub, "help", "") or "").split()) or "",
             "",
-            _md_table(option_rows(sub, tool_env)),
+            _md_table(option_rows(sub)),
             "",
         ]
     return "\n".join(p for p in parts if p is not None).rstrip() + "\n"

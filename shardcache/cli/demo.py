@@ -23,6 +23,8 @@ from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from shardcache.cli.common import add_option
+
 __all__ = ["register", "library_demo", "make_shards", "origin"]
 
 
@@ -161,11 +163,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="run the in-process library demo (cache_shards over a local HTTP origin)",
     )
-    parser.add_argument("--shards", type=int, default=8, help="number of shards (default 8)")
-    parser.add_argument("--samples", type=int, default=250, help="samples per shard (default 250)")
-    parser.add_argument(
+    add_option(parser, "--shards", type=int, default=8, help="number of shards")
+    add_option(parser, "--samples", type=int, default=250, help="samples per shard")
+    add_option(
+        parser,
         "--dir",
         default=None,
-        help="library demo: keep the shards and the cache here (default: a temp dir)",
+        help="library demo: keep the shards and the cache here",
+        shown_default="a temp dir",
     )
     parser.set_defaults(func=_run)

@@ -14,11 +14,12 @@ from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from shardcache.cli.common import (
-    PROXY_HELP,
     ToolError,
     _positive_float,
     _resolve_proxy,
     _rich_console,
+    add_option,
+    add_proxy_option,
     admin_token_error,
     human_bytes,
     no_proxy_error,
@@ -233,7 +234,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "Listing needs no token.",
     )
     p.add_argument("pattern", nargs="?", metavar="PATTERN", help="brace pattern of shards")
-    p.add_argument("--proxy", default=None, help=PROXY_HELP)
+    add_proxy_option(p)
     p.add_argument("--name", default=None, help="a name shown in listings (e.g. job-a)")
     p.add_argument(
         "--lookahead",
@@ -242,20 +243,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="shards to keep ready ahead (a count), or bytes ('2GiB'); "
         "default: the proxy's --plan-lookahead",
     )
-    p.add_argument(
+    add_option(
+        p,
         "--watch",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="follow the plan until it is done (default: when stdout is a terminal)",
+        help="follow the plan until it is done",
+        shown_default="when stdout is a terminal",
     )
     p.add_argument(
         "--keep", action="store_true", help="leave the plan at the proxy when watching ends"
     )
-    p.add_argument(
+    add_option(
+        p,
         "--interval",
         type=_positive_float,
         default=1.0,
-        help="seconds between status requests while watching (default: 1)",
+        help="seconds between status requests while watching",
     )
     action = p.add_mutually_exclusive_group()
     action.add_argument("--list", action="store_true", help="list the proxy's plans")

@@ -16,12 +16,13 @@ from typing import Any
 
 from shardcache.cli.common import (
     CHUNK,
-    PROXY_HELP,
     ToolError,
     _positive_float,
     _positive_int,
     _resolve_proxy,
     _rich_console,
+    add_option,
+    add_proxy_option,
     estimate_total,
     eta_seconds,
     human_bytes,
@@ -312,19 +313,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the proxy allows. Exits 1 naming the shards that failed.",
     )
     p.add_argument("pattern", metavar="PATTERN", help="brace pattern of shard paths or URLs")
-    p.add_argument("--proxy", default=None, help=PROXY_HELP)
-    p.add_argument(
-        "--concurrency",
-        "-j",
-        type=_positive_int,
-        default=8,
-        help="shards fetched at once (default: 8)",
+    add_proxy_option(p)
+    add_option(
+        p, "--concurrency", "-j", type=_positive_int, default=8, help="shards fetched at once"
     )
-    p.add_argument(
+    add_option(
+        p,
         "--timeout",
         type=_positive_float,
         default=300.0,
-        help="seconds without data before a shard counts as failed (default: 300)",
+        help="seconds without data before a shard counts as failed",
     )
     p.add_argument("--quiet", "-q", action="store_true", help="no progress display")
     p.set_defaults(func=cmd_prefetch)

@@ -11,9 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 from shardcache.cli.common import (
-    PROXY_HELP,
+    CACHE_DIR_ENV,
     ToolError,
     _resolve_proxy,
+    add_option,
+    add_proxy_option,
     flatten,
     format_stat,
     format_time,
@@ -75,9 +77,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     """``shardcache ls``: the entries of an on-disk store."""
     from shardcache.store import INDEX_NAME, Store
 
-    cache_dir = args.cache_dir or os.environ.get("SHARDCACHE_CACHE_DIR")
+    cache_dir = args.cache_dir or os.environ.get(CACHE_DIR_ENV)
     if not cache_dir:
-        raise ToolError("--cache-dir: required (or set SHARDCACHE_CACHE_DIR)")
+        raise ToolError(f"--cache-dir: required (or set {CACHE_DIR_ENV})")
     if not os.path.isdir(cache_dir):
         raise ToolError(f"--cache-dir: {cache_dir} is not a directory")
     # Opening a Store reconciles the directory; never do that to a directory that is not
@@ -123,7 +125,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Print the proxy's /-/stats (entries, bytes, hit ratio, downloads in "
         "flight) as a table, or as JSON with --json.",
     )
-    s.add_argument("--proxy", default=None, help=PROXY_HELP)
+    add_proxy_option(s)
     s.add_argument("--json", action="store_true", help="print the JSON as the proxy sent it")
     s.set_defaults(func=cmd_stats)
 
@@ -133,16 +135,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="List the entries of a cache directory with their size, last access, "
         "hits and source URL. Works beside a running proxy (the store is shared).",
     )
-    ls.add_argument(
-        "--cache-dir",
-        default=None,
-        help="the proxy's cache directory [env SHARDCACHE_CACHE_DIR]",
+    add_option(
+        ls, "--cache-dir", default=None, help="the proxy's cache directory", env=CACHE_DIR_ENV
     )
-    ls.add_argument(
+    add_option(
+        ls,
         "--sort",
         choices=sorted(_LS_SORT),
         default="access",
-        help="order of the listing, largest or most recent first (default: access)",
+        help="order of the listing, largest or most recent first",
     )
     ls.add_argument("--json", action="store_true", help="one JSON list for scripts")
     ls.set_defaults(func=cmd_ls)
