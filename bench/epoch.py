@@ -34,6 +34,10 @@ warm-up GET, then ``sync`` and the page cache dropped when root) for ``--epochs`
 - proxy: the same URLs through ``shardcache serve --upstream ORIGIN``;
 - plan: the same, and each worker registers its own shards in its order for the epoch
   (``shardcache.plan``, or ``POST /-/plans``) before reading and closes it after;
+- plan2 (``half`` only): as plan, but each worker's plan also holds its shards of the
+  next epoch, is left registered when the epoch ends and is replaced by the next epoch's
+  (``ShardDataset(plan_epochs=2)``; in the last epoch too, as a reader that does not know
+  it is the last);
 - plan3 (``half`` only): the main process registers each worker's shards of all epochs
   as one plan per worker before epoch 1 (the order is known up front);
 - unlimited (``same`` only): webdataset straight from a second origin without bandwidth
@@ -44,7 +48,7 @@ warm-up GET, then ``sync`` and the page cache dropped when root) for ``--epochs`
 Scenarios (``--scenarios``): ``same`` (the shard order of every epoch is the same),
 ``shuffled`` (the shard list is shuffled with a seed per epoch, each worker taking every
 other shard of it; Streaming shuffles with its own algorithm, ``shuffle=True``), ``half``
-(same order, ``--cache-size`` of the proxy = half the dataset; proxy, plan and plan3).
+(same order, ``--cache-size`` of the proxy = half the dataset; proxy, plan, plan2, plan3).
 
 Rounds (``--rounds``): every scenario runs each of its variants once per round, the
 order reversed every other round; figures are medians over rounds.
@@ -107,11 +111,11 @@ from bench.proxy import (  # noqa: E402
 )
 
 SCENARIOS = ("same", "shuffled", "half")
-VARIANTS = ("direct", "proxy", "plan", "plan3", "streaming", "unlimited")
+VARIANTS = ("direct", "proxy", "plan", "plan2", "plan3", "streaming", "unlimited")
 SCENARIO_VARIANTS = {
     "same": ("direct", "proxy", "plan", "streaming", "unlimited"),
     "shuffled": ("direct", "proxy", "plan", "streaming"),
-    "half": ("proxy", "plan", "plan3"),
+    "half": ("proxy", "plan", "plan2", "plan3"),
 }
 WORKERS = 2
 UNLIMITED = 1e5  # MB/s: the origin of the "unlimited" variant, not a limit in practice
@@ -410,24 +414,30 @@ def worker_id() -> tuple[int, int]:
     return (info.id, info.num_workers) if info else (0, 1)
 
 
-def register_plan(proxy: str, urls: list[str], name: str, lookahead):
+def register_plan(proxy: str, urls: list[str], name: str, lookahead, replace: bool = False):
     """``shardcache.plan`` when the library has it, else ``POST /-/plans``; returns an
-    object with ``.id``, ``.status()`` and ``.close()``."""
+    object with ``.id``, ``.status()`` and ``.close()``. ``replace``: the plans of the
+    same name end once this one is registered."""
     try:
         from shardcache import plan as client_plan
     except ImportError:
         client_plan = None
     if client_plan is not None:
-        return client_plan(urls, proxy=proxy, name=name, lookahead=lookahead)
-    return RawPlan(proxy, urls, name, lookahead)
+        kw = {"replace": True} if replace else {}
+        return client_plan(urls, proxy=proxy, name=name, lookahead=lookahead, **kw)
+    return RawPlan(proxy, urls, name, lookahead, replace)
 
 
 class RawPlan:
-    def __init__(self, proxy: str, urls: list[str], name: str, lookahead) -> None:
+    def __init__(
+        self, proxy: str, urls: list[str], name: str, lookahead, replace: bool = False
+    ) -> None:
         self.proxy = proxy.rstrip("/")
         body: dict = {"urls": urls, "name": name}
         if lookahead is not None:
             body["lookahead"] = lookahead
+        if replace:
+            body["replace"] = True
         req = urllib.request.Request(
             self.proxy + "/-/plans",
             data=json.dumps(body).encode(),
@@ -461,8 +471,9 @@ def _make_wds_dataset():
         """``wds.WebDataset(urls)`` split by worker, consumed at ``rate`` bytes/s per
         worker; with ``plan_proxy`` each worker registers its shards first."""
 
-        def __init__(self, urls, rate, plan_proxy=None, plan_name="", lookahead=None):
+        def __init__(self, urls, rate, plan_proxy=None, plan_name="", lookahead=None, next_urls=()):
             self.urls = list(urls)
+            self.next_urls = list(next_urls)
             self.rate = rate
             self.plan_proxy = plan_proxy
             self.plan_name = plan_name
@@ -473,15 +484,23 @@ def _make_wds_dataset():
             plan = None
             if self.plan_proxy:
                 mine = self.urls[wid::n]  # what split_by_worker gives this worker
+                mine += self.next_urls[wid::n]
                 plan = register_plan(
-                    self.plan_proxy, mine, f"{self.plan_name}/worker-{wid}", self.lookahead
+                    self.plan_proxy,
+                    mine,
+                    f"{self.plan_name}/worker-{wid}",
+                    self.lookahead,
+                    replace=bool(self.next_urls),
                 )
             ds = wds.WebDataset(self.urls, shardshuffle=False, workersplitter=wds.split_by_worker)
             try:
                 for rec in paced(iter(ds), self.rate, wid):
                     if rec.get("final") and plan is not None:
                         rec["plan"] = json.dumps(plan.status())
-                        plan.close()
+                        if not self.next_urls:
+                            plan.close()
+                        # else it holds the next epoch until that epoch's plan replaces it,
+                        # as ShardDataset(plan_epochs=2) leaves it
                         plan = None
                     yield rec
             finally:
@@ -704,7 +723,7 @@ class Bench:
         out: dict = {"scenario": scenario, "variant": variant, "epochs": []}
         org = self.fast if variant == "unlimited" and self.fast else self.origin
         try:
-            if variant in ("proxy", "plan", "plan3"):
+            if variant in ("proxy", "plan", "plan2", "plan3"):
                 px = self.proxy(scenario == "half")
                 px.restart_cold(a.drop_caches, "/" + WARMUP)
                 if variant != "proxy":
@@ -766,9 +785,15 @@ class Bench:
                     ds = _make_wds_dataset()(
                         urls,
                         self.rate,
-                        plan_proxy=base if variant == "plan" else None,
-                        plan_name=f"{scenario}/epoch-{e + 1}",
+                        plan_proxy=base if variant in ("plan", "plan2") else None,
+                        # plan2's plans keep their names across epochs: each replaces the last
+                        plan_name=f"{scenario}/plan2"
+                        if variant == "plan2"
+                        else f"{scenario}/epoch-{e + 1}",
                         lookahead=plan_lookahead(a.lookahead),
+                        next_urls=[f"{base}/wds/{n}" for n in self.order(scenario, e + 1)]
+                        if variant == "plan2"
+                        else (),
                     )
                 r = run_epoch(ds, a.timeout)
                 if e == a.epochs - 1:
@@ -1063,7 +1088,7 @@ def report(res: dict, args, dataset_bytes: int) -> list[str]:
                         T["upstream_x"],
                     )
                 )
-    for v in ("plan", "plan3", "proxy"):
+    for v in ("plan", "plan2", "plan3", "proxy"):
         xs = [ep("half", v, e) for e in range(1, args.epochs)]
         xs = [x for x in xs if x and x["hit_ratio"] is not None]
         if xs:
@@ -1103,7 +1128,7 @@ def report(res: dict, args, dataset_bytes: int) -> list[str]:
                 "-",
             ]
         )
-    for v in ("proxy", "plan", "plan3"):
+    for v in ("proxy", "plan", "plan2", "plan3"):
         tot = ((res.get("half") or {}).get(v) or {}).get("origin_bytes_all_epochs")
         if tot is not None:
             t.append(
@@ -1142,7 +1167,7 @@ def parse_args(argv):
         "--variants",
         type=lambda t: parse_list(t, VARIANTS),
         default=list(VARIANTS),
-        help="direct,proxy,plan,plan3,streaming (default all; each scenario runs those of "
+        help="direct,proxy,plan,plan2,plan3,streaming (default all; each scenario runs those of "
         "its own that are listed)",
     )
     p.add_argument("--conn-mbs", type=float, default=50, help="origin MB/s per connection (50)")

@@ -385,6 +385,64 @@ def test_plan_downloads_go_before_plain_prefetch(rig) -> None:
     assert order[-1] in ("s02.tar", "s03.tar"), order
 
 
+def test_plans_over_the_same_shards_share_their_downloads(rig) -> None:
+    files = _files(6)
+    slow = {name: Fault(delay=0.02, chunk=32 << 10) for name in files}  # ~0.16 s a shard
+    origin, proxy = rig(files, "--prefetch-concurrency", "4", faults=slow)
+    ids = []
+    for w in range(2):  # two DataLoader workers, or two jobs, reading the same shards
+        body = {"pattern": "/s{00..05}.tar", "lookahead": 4, "name": f"w{w}"}
+        status, answer, _ = _call(proxy, "POST", "/-/plans", body)
+        assert status == 201, answer
+        ids.append(answer["id"])
+
+    def ready(pid: str) -> int:
+        return _call(proxy, "GET", f"/-/plans/{pid}")[1]["ready_ahead_shards"]
+
+    _wait(lambda: all(ready(pid) >= 4 for pid in ids), timeout=30, what="both lookaheads")
+    for i in range(6):
+        for pid in ids:
+            status, _, data = _get(proxy, f"s{i:02d}.tar", {"X-Shardcache-Plan": pid})
+            assert status == 200 and len(data) == SHARD
+    assert all(origin.gets[name] == 1 for name in files), dict(origin.gets)
+
+
+def test_a_demand_miss_never_waits_for_plan_downloads(rig) -> None:
+    import threading
+
+    files = _files(6)
+    gate = threading.Event()  # the planned shards send their headers, then wait
+    faults = {f"s{i:02d}.tar": Fault(gate=gate) for i in range(4)}
+    origin, proxy = rig(files, "--prefetch-concurrency", "1", faults=faults)
+    try:
+        assert _call(proxy, "POST", "/-/plans", {"pattern": "/s{00..03}.tar"})[0] == 201
+        _wait(lambda: origin.gets["s00.tar"] == 1, what="the plan's first download")
+        began = time.monotonic()
+        status, cache, data = _get(proxy, "s05.tar")  # a reader's miss, not in the plan
+        took = time.monotonic() - began
+        assert status == 200 and cache == "MISS" and len(data) == SHARD
+        assert took < 3, f"the demand miss waited {took:.1f} s behind the plan's download"
+        # the one background slot is still held by the plan's stalled download
+        assert sum(origin.gets[f"s{i:02d}.tar"] for i in range(4)) == 1, dict(origin.gets)
+    finally:
+        gate.set()
+
+
+def test_a_lookahead_in_bytes_bounds_the_shards_downloaded_ahead(rig) -> None:
+    files = _files(8)
+    origin, proxy = rig(files, "--prefetch-concurrency", "1")
+    look = f"{int(2.5 * SHARD)}"  # bytes, as a size string: two and a half shards
+    body = {"pattern": "/s{00..07}.tar", "lookahead": look + "B"}
+    status, answer, _ = _call(proxy, "POST", "/-/plans", body)
+    assert status == 201, answer
+    assert answer["lookahead"] == {"shards": None, "bytes": int(2.5 * SHARD)}
+    _wait(lambda: sum(origin.gets.values()) >= 2, what="the lookahead")
+    time.sleep(1.0)  # several scheduler passes: nothing more is fetched
+    assert sum(origin.gets.values()) == 2, dict(origin.gets)
+    st = _call(proxy, "GET", f"/-/plans/{answer['id']}")[1]
+    assert st["ready_ahead_shards"] == 2 and st["ready_ahead_bytes"] == 2 * SHARD, st
+
+
 def test_background_downloads_stay_within_prefetch_concurrency(rig) -> None:
     files = _files(6)
     slow = {f"s{i:02d}.tar": Fault(delay=0.05, chunk=32 << 10) for i in range(6)}  # ~0.4 s

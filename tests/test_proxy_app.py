@@ -547,7 +547,14 @@ async def test_mutating_admin_routes_closed_on_a_network_address_without_a_token
         assert "--admin-token" in await r.text()
     async with c.delete("/-/cache") as r:
         assert r.status == 403
+    async with c.post("/-/plans", json={"urls": ["/a.tar"]}) as r:
+        assert r.status == 403
+        assert "--admin-token" in await r.text()
+    async with c.delete("/-/plans/p-000000000000") as r:
+        assert r.status == 403
     async with c.get("/-/stats") as r:  # reading stays open
+        assert r.status == 200
+    async with c.get("/-/plans") as r:
         assert r.status == 200
     # with a token the routes open again
     c = await proxy(host=host, admin_token="t0k")
