@@ -27,7 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from proxy.policy import Upstream, parse_min_free, parse_revalidate, parse_size
-from shardcache.errors import BadRequest, ConfigError
+from shardcache.errors import S3_EXTRA_HINT, BadRequest, ConfigError
 from shardcache.store import (
     DEFAULT_MIN_FREE_CAP,
     DEFAULT_MIN_FREE_FRACTION,
@@ -290,10 +290,7 @@ def _upstreams(values: list[str]) -> tuple[Upstream, ...]:
     if dup:
         raise ValueError(f"upstream name used twice: {sorted(dup)[0]}")
     if any(u.base.startswith("s3://") for u in upstreams) and not _have("aiobotocore"):
-        raise ValueError(
-            "s3:// upstreams need the s3 extra (aiobotocore): pip install 'shardcache[s3]', "
-            "or from a checkout: pip install '.[s3]'"
-        )
+        raise ValueError(f"s3:// upstreams need aiobotocore: {S3_EXTRA_HINT}")
     return upstreams
 
 

@@ -63,6 +63,14 @@ __all__ = [
 ]
 
 
+# how to get the s3 extra (aiobotocore, boto3): the package is installed from a checkout or
+# from git, not from a package index
+S3_EXTRA_HINT = (
+    "install the s3 extra: pip install '.[s3]' in a checkout of shardcache "
+    "(or into this environment: pip install aiobotocore boto3)"
+)
+
+
 class ShardcacheError(Exception):
     """Base class of every error raised by shardcache."""
 

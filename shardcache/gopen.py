@@ -264,7 +264,7 @@ def gopen(
     - ``pipe:CMD``: the output (``"rb"``) or input (``"wb"``) of the shell command CMD;
       a non-zero exit raises (see :class:`Pipe`); ``timeout`` bounds the wait at close;
     - ``s3://bucket/key``: reading only, directly with boto3 (the ``s3`` extra:
-      ``pip install 'shardcache[s3]'``); endpoint, region and credentials from the standard
+      ``pip install '.[s3]'`` in a checkout); endpoint, region and credentials from the standard
       AWS chain (``AWS_ENDPOINT_URL_S3``, ``AWS_PROFILE``, ``AWS_ACCESS_KEY_ID``...). To
       read through a proxy, rewrite the URL with :func:`shardcache.proxied` first;
     - ``-``: standard input or output.

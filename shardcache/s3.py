@@ -1,7 +1,7 @@
 """Reading ``s3://bucket/key`` URLs on the client side.
 
-Without a proxy, :func:`open_s3` reads the object directly with boto3 (``pip install
-'shardcache[s3]'``), credentials and endpoint from the standard AWS chain
+Without a proxy, :func:`open_s3` reads the object directly with boto3 (the ``s3`` extra:
+``pip install '.[s3]'`` in a checkout), credentials and endpoint from the standard AWS chain
 (``AWS_ACCESS_KEY_ID``..., ``AWS_PROFILE``, ``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``) or
 from keyword arguments. With a proxy, :func:`s3_proxy_url` maps ``s3://bucket/key`` to
 ``{proxy}/bucket/key``: the proxy serves the bucket as an upstream of the same name
@@ -16,7 +16,7 @@ import threading
 from typing import Any
 from urllib.parse import quote
 
-from shardcache.errors import GopenError
+from shardcache.errors import S3_EXTRA_HINT, GopenError
 
 __all__ = ["open_s3", "s3_proxy_url", "split_s3_url"]
 
@@ -46,7 +46,7 @@ def _client(endpoint_url: str | None, profile: str | None, region: str | None) -
         from botocore.config import Config
     except ImportError as exc:
         raise ImportError(
-            "reading s3:// URLs without a proxy needs boto3: pip install 'shardcache[s3]'"
+            f"reading s3:// URLs without a proxy needs boto3: {S3_EXTRA_HINT}"
         ) from exc
     key = (os.getpid(), endpoint_url, profile, region)  # one client per process (fork-safe)
     with _lock:

@@ -30,6 +30,7 @@ from proxy.upstream.s3url import S3Location, format_range, join_key, parse_s3_ur
 from proxy.upstream.stream import retrying
 from proxy.upstream.transport import pump_chunks
 from shardcache.errors import (
+    S3_EXTRA_HINT,
     ConfigError,
     ObjectChanged,
     ProxyError,
@@ -177,7 +178,7 @@ class S3Upstream:
             from aiobotocore.session import AioSession
         except ImportError as exc:
             raise ConfigError(
-                "--upstream", "s3:// upstreams need aiobotocore: pip install 'shardcache[s3]'"
+                "--upstream", f"s3:// upstreams need aiobotocore: {S3_EXTRA_HINT}"
             ) from exc
         from botocore import UNSIGNED
         from botocore.exceptions import ProfileNotFound

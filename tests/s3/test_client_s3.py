@@ -69,6 +69,6 @@ def test_gopen_s3_without_boto3_names_the_extra(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "boto3", None)  # fault: the s3 extra is not installed
     monkeypatch.setattr(s3mod, "_clients", {})
-    with pytest.raises(GopenError, match=r"shardcache\[s3\]") as ei:
+    with pytest.raises(GopenError, match=r"pip install '\.\[s3\]'") as ei:
         gopen("s3://some-bucket/x.tar")
     assert "s3://some-bucket/x.tar" in str(ei.value)
