@@ -569,6 +569,32 @@ async def test_mutating_admin_routes_open_on_loopback_without_a_token(proxy, hos
         assert r.status == 200, await r.text()
 
 
+async def test_passing_probes_and_scrapes_are_logged_at_debug_shard_reads_at_info(
+    proxy, origin, caplog
+):
+    import logging
+
+    origin.files["a.tar"] = b"x" * 1000
+    c = await proxy()
+    with caplog.at_level(logging.DEBUG, logger="shardcache.access"):
+        for path in ("/-/healthz", "/-/readyz", "/metrics", "/a.tar", "/-/stats"):
+            async with c.get(path) as r:
+                assert r.status == 200, path
+                await r.read()
+    levels = {
+        rec.getMessage().split('"')[1].split()[1]: rec.levelno
+        for rec in caplog.records
+        if rec.name == "shardcache.access"
+    }
+    assert levels == {
+        "/-/healthz": logging.DEBUG,
+        "/-/readyz": logging.DEBUG,
+        "/metrics": logging.DEBUG,
+        "/a.tar": logging.INFO,
+        "/-/stats": logging.INFO,
+    }, levels
+
+
 async def test_readyz_says_why_it_is_not_ready(proxy):
     from proxy.app import _on_shutdown
 
