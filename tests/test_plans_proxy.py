@@ -276,6 +276,33 @@ def test_wait_seconds_measure_the_stall(rig) -> None:
     assert hit < 0.05, hit
 
 
+def test_a_plan_reports_its_readers_wait_and_the_bytes_ready_ahead(rig) -> None:
+    files = _files(3)
+    faults = {"s00.tar": Fault(delay=0.05, chunk=32 << 10)}  # 8 chunks: ~0.4 s
+    _, proxy = rig(files, faults=faults)
+    body = {"urls": ["/s00.tar", "/s01.tar", "/s02.tar"], "lookahead": 2}
+    status, answer, _ = _call(proxy, "POST", "/-/plans", body)
+    assert status == 201, answer
+    pid = answer["id"]
+    # the reader asks at once: its first shard is still downloading, it waits for it
+    assert _get(proxy, "s00.tar", {"X-Shardcache-Plan": pid})[0] == 200
+    st = _call(proxy, "GET", f"/-/plans/{pid}")[1]
+    assert st["wait_seconds"] >= 0.2 and st["position"] == 1, st
+
+    def ready() -> dict:
+        return _call(proxy, "GET", f"/-/plans/{pid}")[1]
+
+    _wait(lambda: ready()["ready_ahead_shards"] == 2, what="two shards ready ahead")
+    assert ready()["ready_ahead_bytes"] == 2 * SHARD
+    gauge = _metric(proxy, "shardcache_plan_ready_ahead_bytes", f'{{plan="{pid}"}}')
+    assert gauge == 2 * SHARD, gauge
+    # hits from complete entries add no wait
+    waited = ready()["wait_seconds"]
+    for name in ("s01.tar", "s02.tar"):
+        assert _get(proxy, name, {"X-Shardcache-Plan": pid})[1] == "HIT"
+    assert ready()["wait_seconds"] - waited < 0.05
+
+
 def test_idle_plans_expire(rig) -> None:
     _, proxy = rig(_files(1), "--plan-ttl", "1")
     status, body, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"]})
