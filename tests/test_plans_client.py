@@ -11,6 +11,7 @@ import importlib.util
 import io
 import json
 import logging
+import os
 import subprocess
 import sys
 import tarfile
@@ -463,8 +464,6 @@ def test_dataset_plan_epochs_must_be_a_positive_int(stub, bad):
 def test_dataset_plan_name_defaults_to_the_pid(stub):
     ds = ShardDataset(f"{stub.url}/data/train-{{000..001}}.tar", plan=True)
     list(ds)
-    import os
-
     assert stub.of("POST")[0]["body"]["name"] == f"{os.getpid()}/worker-0"
 
 
@@ -692,8 +691,6 @@ def test_cli_needs_a_pattern(capsys):
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    import os
-
     full = {k: v for k, v in os.environ.items() if not k.startswith("SHARDCACHE_")}
     full.update(env or {})
     return subprocess.run(
@@ -942,6 +939,58 @@ def test_e2e_cli_watch_ends_when_the_reader_is_done(fresh):
             watcher.wait()
     assert watcher.returncode == 0, err
     assert out.splitlines()[-1].startswith("3/3 shards read") and "done" in out
+    assert list_plans(proxy.url) == []
+
+
+@e2e
+def test_e2e_cli_watch_on_a_terminal_shows_a_progress_bar(fresh):
+    import pty
+    import select
+
+    origin, proxy = fresh
+    master, slave = pty.openpty()
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "shardcache", "plan", "/data/train-{000..002}.tar"]
+        + ["--proxy", proxy.url, "--interval", "0.1"],  # a terminal: watching by default
+        stdout=slave,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "160", "TERM": "xterm"},
+    )
+    os.close(slave)
+    chunks: list[bytes] = []
+
+    def drain(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # the watcher closed the terminal
+                    return
+                if not data:
+                    return
+                chunks.append(data)
+            elif watcher.poll() is not None:
+                return
+
+    try:
+        assert _wait_for(lambda: list_plans(proxy.url))
+        drain(0.5)
+        for i in range(3):
+            _get(f"{proxy.url}/data/train-{i:03d}.tar")
+            drain(0.3)
+        drain(30)
+        watcher.wait(timeout=10)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()
+        os.close(master)
+    out = b"".join(chunks).decode(errors="replace")
+    assert watcher.returncode == 0, watcher.stderr.read().decode()
+    assert "3/3" in out and "ready ahead" in out and "stalled" in out, out
+    assert "\x1b[" in out  # drawn by rich on the terminal, not the plain lines of a pipe
     assert list_plans(proxy.url) == []
 
 
