@@ -88,13 +88,12 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
     Plans are named ``"<plan_name or pid>/worker-<k>"`` (``"/node-<r>"`` added on several
     nodes); ``plan_lookahead`` overrides the proxy's ``--plan-lookahead``.
     ``plan_epochs`` (default 1): each iteration's plan also holds the orders of the next
-    ``plan_epochs - 1`` epochs (``seed + epoch + 1``, ...: call :meth:`set_epoch` before each
-    epoch). With a dataset larger than the
-    cache, ``plan_epochs=2`` lets the proxy keep, at the end of an epoch, the shards the
-    next epoch reads first instead of the ones it reads last. Such a plan outlives an
-    iteration that reads to its end (it still holds what comes next) and is replaced by
-    the next iteration's; after the last epoch it ends ``--plan-ttl`` seconds after its
-    last request, or at :meth:`end_plans`.
+    ``plan_epochs - 1`` epochs (``seed + epoch + 1``, ...: call :meth:`set_epoch` before
+    each epoch). With a dataset larger than the cache, ``plan_epochs=2`` lets the proxy
+    keep, at the end of an epoch, the shards the next epoch reads first instead of the
+    ones it reads last. Such a plan outlives an iteration that reads to its end (it still
+    holds what comes next) and is replaced by the next iteration's; after the last epoch
+    it ends ``--plan-ttl`` seconds after its last request, or at :meth:`end_plans`.
     """
 
     def __init__(

@@ -45,7 +45,9 @@ def option_rows(parser: argparse.ArgumentParser) -> list[tuple[str, str, str, st
         if isinstance(action, argparse._HelpAction) or not action.option_strings:
             continue
         flag = max(action.option_strings, key=len)
-        if action.nargs != 0:
+        if isinstance(action, argparse.BooleanOptionalAction):
+            flag = " / ".join(action.option_strings)  # --watch / --no-watch
+        elif action.nargs != 0:
             flag += " " + (action.metavar or action.dest.upper())
         doc: OptionDoc | None = getattr(action, "doc", None)
         if doc is None:
@@ -121,7 +123,7 @@ def configuration_reference() -> str:
         _md_table(setting_rows()),
         "",
     ]
-    for name in ("prefetch", "stats", "ls"):
+    for name in ("prefetch", "plan", "stats", "ls"):
         sub = _subparser(parser, name)
         parts += [
             f"## `shardcache {name}`",

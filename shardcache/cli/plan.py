@@ -236,12 +236,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("pattern", nargs="?", metavar="PATTERN", help="brace pattern of shards")
     add_proxy_option(p)
     p.add_argument("--name", default=None, help="a name shown in listings (e.g. job-a)")
-    p.add_argument(
+    add_option(
+        p,
         "--lookahead",
         default=None,
         metavar="L",
-        help="shards to keep ready ahead (a count), or bytes ('2GiB'); "
-        "default: the proxy's --plan-lookahead",
+        help="shards to keep ready ahead (a count), or bytes ('2GiB')",
+        shown_default="the proxy's --plan-lookahead",
     )
     add_option(
         p,
