@@ -918,6 +918,21 @@ def test_e2e_cli_register_list_delete(fresh):
 
 
 @e2e
+def test_e2e_cli_replace_takes_over_a_named_plan(fresh):
+    origin, proxy = fresh
+    first = cli("plan", "/data/train-{000..002}.tar", "--proxy", proxy.url, "--name", "job")
+    assert first.returncode == 0, first.stderr
+    res = cli("plan", "/data/train-000.tar", "--proxy", proxy.url, "--replace")
+    assert res.returncode == 1 and "name" in res.stderr  # nothing to replace without one
+    res = cli(
+        "plan", "/data/train-{001..002}.tar", "--proxy", proxy.url, "--name", "job", "--replace"
+    )
+    assert res.returncode == 0, res.stderr
+    assert [(p["id"], p["shards"]) for p in list_plans(proxy.url)] == [(res.stdout.strip(), 2)]
+    delete_plan(res.stdout.strip(), proxy.url)
+
+
+@e2e
 def test_e2e_cli_watch_ends_when_the_reader_is_done(fresh):
     origin, proxy = fresh
     watcher = subprocess.Popen(

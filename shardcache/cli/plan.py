@@ -188,7 +188,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.parser.error("PATTERN is required (or use --list or --delete ID)")
     watch = args.watch if args.watch is not None else sys.stdout.isatty()
     try:
-        plan = Plan(args.pattern, proxy, args.name, _lookahead(args.lookahead))
+        plan = Plan(
+            args.pattern, proxy, args.name, _lookahead(args.lookahead), replace=args.replace
+        )
     except PlanError as exc:
         raise _unreachable(proxy, exc) from exc
     except ValueError as exc:
@@ -254,6 +256,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--keep", action="store_true", help="leave the plan at the proxy when watching ends"
+    )
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="end the plans named --name once this one is registered (a job's next plan "
+        "taking over from its last)",
     )
     add_option(
         p,
