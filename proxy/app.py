@@ -1266,8 +1266,8 @@ async def _plans_add(request: web.Request) -> web.Response:
     replace = body.get("replace", False) if isinstance(body, dict) else False
     if not isinstance(replace, bool):
         raise BadRequest(f'"replace" must be true or false, not {replace!r}')
-    if not replace:
-        plans.check_room()  # before any work on the URLs (a replacing plan takes a room)
+    # before any work on the URLs (a replacing plan takes the room of those it replaces)
+    plans.check_room(len(plans.named(body.get("name"))) if replace else 0)
     limit = plans.max_shards
 
     def canonical() -> list[str]:  # a large plan maps its URLs off the event loop

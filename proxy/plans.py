@@ -312,23 +312,39 @@ class Plans:
             raise BadRequest('"replace" needs a "name": the plans of that name are replaced')
         if self.shared:
             await self.sync(force=True)
-        replacing = len(self._named(name)) if replace else 0
+        replacing = len(self.named(name)) if replace else 0
         self.check_room(replacing)
         plan = await asyncio.to_thread(self.build, urls, name, lookahead, replacing)
-        old = self._named(name) if replace else []
+        old = set(self.named(name)) if replace else set()
         self.insert(plan, len(old))
         if self.shared:
+            # one transaction of the index: the count across processes, the old plans out
+            # and the new one in (no worker ever sees both, or more than --max-plans)
             try:
-                await asyncio.to_thread(self.store.plan_put, plan.id, plan.doc())
+                gone = await asyncio.to_thread(
+                    lambda: self.store.plan_put(
+                        plan.id,
+                        plan.doc(),
+                        replace_name=name if replace else None,
+                        max_plans=self.max_plans,
+                    )
+                )
             except BaseException:
                 self._drop(plan.id)
                 raise
-        for pid in old:
-            with contextlib.suppress(NotFound):  # deleted meanwhile
-                await self.unregister(pid, f"replaced by {plan.id}")
+            if gone is None:  # other workers registered plans meanwhile
+                self._drop(plan.id)
+                raise BadRequest(
+                    f"{self.max_plans} plans are registered, the most this proxy keeps "
+                    "(--max-plans): DELETE /-/plans/ID the plans that ended"
+                )
+            old.update(gone)
+        for pid in old - {plan.id}:  # in this process, nothing awaited since insert()
+            self._drop(pid, f"replaced by {plan.id}")
         return plan
 
-    def _named(self, name: Any) -> list[str]:
+    def named(self, name: Any) -> list[str]:
+        """The ids of the plans named ``name`` (none for an empty name)."""
         return [p.id for p in self._plans.values() if name and p.name == name]
 
     async def learn(self, plan_id: str) -> None:
@@ -345,13 +361,13 @@ class Plans:
         self._asked[plan_id] = now
         await self.sync(force=True)
 
-    async def unregister(self, plan_id: str, why: str = "deleted") -> Plan:
+    async def unregister(self, plan_id: str) -> Plan:
         """Delete a plan (in every worker)."""
         if self.shared:
             await self.sync(force=True)
             self.get(plan_id)  # NotFound when no worker knows it
             await asyncio.to_thread(self.store.plan_delete, plan_id)
-        return self.remove(plan_id, why)
+        return self.remove(plan_id)
 
     async def sync(self, *, force: bool = False) -> None:
         """Merge progress with the other workers (several processes only), at most five

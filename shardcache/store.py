@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import json
 import logging
 import os
 import re
@@ -1096,15 +1097,40 @@ class Store:
         an index without it, or a shardcache that does not know it, works the same."""
         conn.execute(_PLANS_SCHEMA)
 
-    def plan_put(self, plan_id: str, doc: str, now: float | None = None) -> None:
-        """Register plan ``plan_id`` (``doc``: its JSON description) for every process."""
+    def plan_put(
+        self,
+        plan_id: str,
+        doc: str,
+        now: float | None = None,
+        *,
+        replace_name: str | None = None,
+        max_plans: int | None = None,
+    ) -> list[str] | None:
+        """Register plan ``plan_id`` (``doc``: its JSON description) for every process, in
+        one transaction with removing the plans named ``replace_name`` (their ids are
+        returned) and checking that at most ``max_plans`` are left (else nothing changes
+        and the answer is None). So concurrent registrations in several processes never
+        leave more than ``max_plans``, and a replacement is never seen beside its old plan.
+        """
         now = time.time() if now is None else now
         with self._tx() as conn:
             self._plans_table(conn)
+            replaced: list[str] = []
+            if replace_name:
+                for pid, other in conn.execute("SELECT id, doc FROM plans").fetchall():
+                    with contextlib.suppress(ValueError, TypeError, AttributeError):
+                        if json.loads(other).get("name") == replace_name:
+                            replaced.append(pid)
+            if max_plans is not None:
+                (n,) = conn.execute("SELECT COUNT(*) FROM plans").fetchone()
+                if n - len(replaced) >= max_plans:
+                    return None
+            conn.executemany("DELETE FROM plans WHERE id = ?", [(p,) for p in replaced])
             conn.execute(
                 "INSERT INTO plans (id, doc, created, seen) VALUES (?, ?, ?, ?)",
                 (plan_id, doc, now, now),
             )
+            return replaced
 
     def plan_delete(self, plan_id: str) -> bool:
         """Remove plan ``plan_id``; False when no process knew it."""

@@ -361,6 +361,44 @@ def test_store_merges_plan_progress_of_several_processes(tmp_path: Path) -> None
     b.close()
 
 
+def test_store_replaces_and_counts_plans_in_one_transaction(tmp_path: Path) -> None:
+    """Several processes register at once: the count and the replacement are decided by
+    the index, never by a process's possibly stale view."""
+    from shardcache.store import Store
+
+    a = Store(tmp_path / "c", 1 << 30)
+    b = Store(tmp_path / "c", 1 << 30)  # another process's handle of the same index
+
+    def doc(name: str) -> str:
+        return json.dumps({"name": name, "urls": []})
+
+    assert a.plan_put("p-1", doc("job/worker-0"), max_plans=2) == []
+    assert b.plan_put("p-2", doc("job/worker-1"), max_plans=2) == []
+    # full: a plain registration is refused and changes nothing
+    assert a.plan_put("p-3", doc("other"), max_plans=2) is None
+    # a replacement takes the room of the plans it replaces, in the same transaction
+    assert b.plan_put("p-4", doc("job/worker-0"), replace_name="job/worker-0", max_plans=2) == [
+        "p-1"
+    ]
+    assert a.plan_put("p-5", doc("job/worker-0"), replace_name="job/worker-0", max_plans=2) == [
+        "p-4"
+    ]
+    # a replacement whose name matches nothing needs a room of its own
+    assert a.plan_put("p-6", doc("new"), replace_name="new", max_plans=2) is None
+    rows, docs = b.plans_sync({}, expire_before=0.0, known=set())
+    assert sorted(rows) == ["p-2", "p-5"]
+    a.close()
+    b.close()
+
+
+def test_api_replace_of_no_plan_at_max_plans_is_refused(rig) -> None:
+    _, proxy = rig(_files(2), "--max-plans", "1")
+    assert _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"], "name": "a"})[0] == 201
+    body = {"urls": ["/s01.tar"], "name": "b", "replace": True}
+    status, text, _ = _call(proxy, "POST", "/-/plans", body)
+    assert status == 400 and "--max-plans" in text
+
+
 def test_a_failing_planned_shard_is_retried_with_backoff_not_hammered(rig) -> None:
     files = _files(3)
     origin, proxy = rig(files, faults={"s01.tar": Fault(status=500)})
@@ -548,3 +586,52 @@ async def test_a_worker_learns_a_plan_named_by_a_request_at_once(tmp_path: Path)
     assert "p-unknown" not in b
     sa.close()
     sb.close()
+
+
+async def test_workers_replacing_plans_at_once_stay_within_max_plans(tmp_path: Path) -> None:
+    """Every DataLoader worker registers its next plan at the start of an epoch, through
+    whichever proxy worker takes the request: the replacements interleave."""
+    import asyncio
+
+    from proxy.metrics import ProxyMetrics
+    from proxy.plans import Plans
+    from shardcache.errors import BadRequest
+    from shardcache.store import Store
+
+    stores: list[Store] = []
+
+    def worker() -> Plans:
+        store = Store(tmp_path / "c", 1 << 30)  # each worker's own handle of one index
+        stores.append(store)
+        kw = {"ttl": 600.0, "default_lookahead": 2, "max_plans": 2, "max_shards": 100}
+        return Plans(store, ProxyMetrics(), shared=True, **kw)
+
+    a, b = worker(), worker()
+    urls = ["http://o/s00.tar", "http://o/s01.tar"]
+    first = [await a.register(urls, f"job/worker-{k}") for k in range(2)]
+    for _ in range(3):  # epochs: both readers' next plans, registered at once
+        new = await asyncio.gather(
+            a.register(urls, "job/worker-0", replace=True),
+            b.register(urls, "job/worker-1", replace=True),
+        )
+        await a.sync(force=True)
+        await b.sync(force=True)
+        for p in (a, b):
+            assert sorted(x.id for x in p) == sorted(x.id for x in new)
+    assert not {p.id for p in first} & {x.id for x in a}
+    # the same name replaced through both at once: one plan of that name is left
+    await asyncio.gather(
+        a.register(urls, "job/worker-0", replace=True),
+        b.register(urls, "job/worker-0", replace=True),
+    )
+    await a.sync(force=True)
+    assert sorted(x.name for x in a) == ["job/worker-0", "job/worker-1"]
+    # a third name has no room
+    try:
+        await b.register(urls, "other")
+    except BadRequest as exc:
+        assert "--max-plans" in str(exc)
+    else:
+        raise AssertionError("a third plan was registered beyond --max-plans 2")
+    for s in stores:
+        s.close()
