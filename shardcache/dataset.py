@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import re
+import secrets
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -85,8 +86,9 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
     every URL is on the proxy named by ``SHARDCACHE_PROXY``, and logs a warning instead
     of failing when the proxy refuses the plan; ``plan=True`` registers at that proxy, or
     else at the host all URLs share, and raises if it cannot; ``plan=False`` never does.
-    Plans are named ``"<plan_name or pid>/worker-<k>"`` (``"/node-<r>"`` added on several
-    nodes); ``plan_lookahead`` overrides the proxy's ``--plan-lookahead``.
+    Plans are named ``"<plan_name>/worker-<k>"`` (``"/node-<r>"`` added on several nodes;
+    without ``plan_name``, the process id and a token of this dataset); ``plan_lookahead``
+    overrides the proxy's ``--plan-lookahead``.
     ``plan_epochs`` (default 1): each iteration's plan also holds the orders of the next
     ``plan_epochs - 1`` epochs (``seed + epoch + 1``, ...: call :meth:`set_epoch` before
     each epoch). With a dataset larger than the cache, ``plan_epochs=2`` lets the proxy
@@ -144,7 +146,11 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
         self.plan_required = plan is True
         # decided once, here: DataLoader workers get a copy of this object
         self.plan_proxy: str | None = None if plan is False else _plan_proxy(self.urls, plan)
-        self._pid = os.getpid()
+        # the plans' name when plan_name is not given: the process id, and a token of this
+        # dataset (picked here, so every DataLoader worker and every epoch shares it):
+        # two datasets of one process, or two jobs whose processes share an id (pid 1 in
+        # containers), never replace or end each other's plans
+        self._label = f"{os.getpid()}-{secrets.token_hex(3)}"
 
     def __repr__(self) -> str:
         return (
@@ -211,7 +217,7 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
 
     def plan_label(self, env: WorkerEnvironment) -> str:
         """The name of the read plan of worker ``env``."""
-        label = self.plan_name or str(self._pid)
+        label = self.plan_name or self._label
         if env.world_size > 1:
             label += f"/node-{env.rank}"
         return f"{label}/worker-{env.worker}"
@@ -237,7 +243,8 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
 
     def end_plans(self) -> int:
         """Delete this dataset's read plans that outlived their iteration
-        (``plan_epochs > 1``): call it after the last epoch. Returns how many were
+        (``plan_epochs > 1``): call it after the last epoch, when no iteration of this
+        dataset is running (a running one's plan has the same name). Returns how many were
         deleted. Plans of other datasets and other nodes are left alone (they are told
         apart by their names: ``plan_name``, by default the process id, and the node)."""
         if self.plan_proxy is None:

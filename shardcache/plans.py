@@ -177,6 +177,7 @@ class Plan:
             raise ValueError(f"plan: name longer than {_MAX_NAME} characters")
         self.timeout = timeout
         self.closed = False
+        self.released = False
         body: dict[str, Any] = {"urls": self.urls}
         if name is not None:
             body["name"] = name
@@ -233,6 +234,7 @@ class Plan:
         plan registered with ``replace=True`` under its name replaces it, when it is
         deleted, or ``--plan-ttl`` seconds after its reader's last request."""
         self.closed = True
+        self.released = True
 
     def __enter__(self) -> Plan:
         return self
@@ -246,7 +248,7 @@ class Plan:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else "open"
+        state = "released" if self.released else "closed" if self.closed else "open"
         return f"Plan({self.id!r}, {self.shards} shards, proxy={self.proxy!r}, {state})"
 
 

@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -461,10 +462,16 @@ def test_dataset_plan_epochs_must_be_a_positive_int(stub, bad):
         ShardDataset(f"{stub.url}/data/train-000.tar", plan=True, plan_epochs=bad)
 
 
-def test_dataset_plan_name_defaults_to_the_pid(stub):
-    ds = ShardDataset(f"{stub.url}/data/train-{{000..001}}.tar", plan=True)
-    list(ds)
-    assert stub.of("POST")[0]["body"]["name"] == f"{os.getpid()}/worker-0"
+def test_dataset_plan_name_defaults_to_the_pid_and_a_token_of_the_dataset(stub):
+    urls = f"{stub.url}/data/train-{{000..001}}.tar"
+    train, val = ShardDataset(urls, plan=True), ShardDataset(urls, plan=True)
+    list(train)
+    list(train)  # every epoch (and every worker: the dataset is pickled) keeps the name
+    list(val)
+    names = [post["body"]["name"] for post in stub.of("POST")]
+    assert re.fullmatch(rf"{os.getpid()}-[0-9a-f]{{6}}/worker-0", names[0]), names
+    # two datasets of one process never share a name: replace and end_plans() are by name
+    assert names[0] == names[1] != names[2]
 
 
 def test_dataset_plan_lookahead_is_passed_on(stub):
