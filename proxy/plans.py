@@ -334,10 +334,7 @@ class Plans:
                 raise
             if gone is None:  # other workers registered plans meanwhile
                 self._drop(plan.id)
-                raise BadRequest(
-                    f"{self.max_plans} plans are registered, the most this proxy keeps "
-                    "(--max-plans): DELETE /-/plans/ID the plans that ended"
-                )
+                raise self._full(self.max_plans)
             old.update(gone)
         for pid in old - {plan.id}:  # in this process, nothing awaited since insert()
             self._drop(pid, f"replaced by {plan.id}")
@@ -425,10 +422,14 @@ class Plans:
         """400 when no further plan may be registered (before any work on its URLs);
         ``replacing``: how many plans the new one replaces (it takes their room)."""
         if len(self._plans) - replacing >= self.max_plans:
-            raise BadRequest(
-                f"{len(self._plans)} plans are registered, the most this proxy keeps "
-                "(--max-plans): DELETE /-/plans/ID the plans that ended"
-            )
+            raise self._full(len(self._plans))
+
+    @staticmethod
+    def _full(registered: int) -> BadRequest:
+        return BadRequest(
+            f"{registered} plans are registered, the most this proxy keeps "
+            "(--max-plans): DELETE /-/plans/ID the plans that ended"
+        )
 
     def build(
         self, urls: Sequence[str], name: Any, lookahead: Any = None, replacing: int = 0

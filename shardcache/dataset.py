@@ -246,7 +246,8 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
         (``plan_epochs > 1``): call it after the last epoch, when no iteration of this
         dataset is running (a running one's plan has the same name). Returns how many were
         deleted. Plans of other datasets and other nodes are left alone (they are told
-        apart by their names: ``plan_name``, by default the process id, and the node)."""
+        apart by their names: ``plan_name``, by default the process id and a token of the
+        dataset, and the node)."""
         if self.plan_proxy is None:
             return 0
         from shardcache.plans import PlanError, delete_plan, list_plans
