@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 from braceexpand import braceexpand
+from multidict import CIMultiDict
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from proxy.config import Settings
@@ -54,6 +55,7 @@ from shardcache.errors import (
     UpstreamError,
     error_answer,
 )
+from shardcache.meta import whole_body_only
 from shardcache.store import Entry, Store, disk_full
 
 __all__ = [
@@ -637,7 +639,9 @@ async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse |
     body = _EntryBody(request, entry)
     if not body.open():
         return None
-    return await _answer(request, entry.meta, "HIT", entry.size, body)
+    # how long ago the upstream last vouched for these bytes (RFC 9111 5.1)
+    age = {"Age": str(max(0, int(time.time() - entry.validated)))}
+    return await _answer(request, entry.meta, "HIT", entry.size, body, age)
 
 
 async def _serve_download(request: web.Request, dl: Download, cache: str) -> web.StreamResponse:
@@ -669,9 +673,8 @@ async def _serve_bypass(
                 _waited(request, since)
     try:
         meta: ObjectMeta = body.meta if body is not None else dl.meta  # type: ignore[union-attr]
-        extra = {"Cache-Control": meta.cache_control} if meta.cache_control else None
         source = _NoBody() if body is None else _ChunkBody(body.chunks())
-        return await _answer(request, meta, "BYPASS", meta.size, source, extra)
+        return await _answer(request, meta, "BYPASS", meta.size, source)
     finally:
         if body is not None:
             body.close()
@@ -717,24 +720,25 @@ async def _answer(
     sent and the response ended — or the connection aborted when ``body`` reports a
     cut. ``body`` is closed when the answer ends."""
     try:
-        headers = {"X-Cache": cache, "Accept-Ranges": "bytes"}
+        own = {"X-Cache": cache, "Accept-Ranges": "bytes"}
         if meta.etag:
-            headers["ETag"] = meta.etag
+            own["ETag"] = meta.etag
         if meta.last_modified:
-            headers["Last-Modified"] = meta.last_modified
-        headers.update(extra or {})
+            own["Last-Modified"] = meta.last_modified
+        own.update(extra or {})
         cond, brange = _decide(request, size, meta.etag, meta.last_modified)
         if cond == 304:
-            return web.Response(status=304, headers=headers)
+            return web.Response(status=304, headers=_with_fields(meta, own, NOT_MODIFIED_FIELDS))
         if cond is not None:
-            return _error_response(412, "precondition failed", headers)
+            return _error_response(412, "precondition failed", own)
         # the upstream's type as it was sent: web.Response(content_type=) refuses one
         # with parameters ("text/plain; charset=utf-8")
-        headers["Content-Type"] = meta.content_type or DEFAULT_TYPE
+        own["Content-Type"] = meta.content_type or DEFAULT_TYPE
         status, start, end = 200, 0, size
         if brange is not None:
             status, start, end = 206, brange.start, brange.end + 1
-            headers["Content-Range"] = brange.content_range
+            own["Content-Range"] = brange.content_range
+        headers = _with_fields(meta, own, None, whole=brange is None)
         if body.data is not None:
             resp: web.StreamResponse = web.Response(
                 body=body.data[start:end], status=status, headers=headers
@@ -758,6 +762,35 @@ async def _answer(
         return resp
     finally:
         body.close()
+
+
+# the stored fields a 304 carries (RFC 9110 15.4.5); the rest describe a body it lacks
+NOT_MODIFIED_FIELDS = frozenset({"cache-control", "content-location", "date", "expires", "vary"})
+
+
+def _with_fields(
+    meta: ObjectMeta,
+    own: dict[str, str],
+    only: frozenset[str] | None,
+    *,
+    whole: bool = True,
+) -> CIMultiDict[str]:
+    """The answer's headers: the upstream's stored end-to-end fields (those in ``only``
+    when given; on a part of the body, none that describes the whole body), then the
+    proxy's own (``own``), which replace fields of the same name."""
+    out: CIMultiDict[str] = CIMultiDict()
+    mine = {k.lower() for k in own}
+    for k, v in meta.fields:
+        low = k.lower()
+        if low in mine:
+            continue
+        if only is not None and low not in only:
+            continue
+        if not whole and whole_body_only(k):
+            continue
+        out.add(k, v)
+    out.update(own)
+    return out
 
 
 class _Body:

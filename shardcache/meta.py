@@ -13,7 +13,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-__all__ = ["ObjectMeta", "is_strong_etag", "md5_from_headers", "parse_content_range"]
+__all__ = [
+    "ObjectMeta",
+    "is_strong_etag",
+    "md5_from_headers",
+    "origin_headers",
+    "parse_content_range",
+]
 
 _CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
 
@@ -34,6 +40,77 @@ def parse_content_range(value: str | None) -> tuple[int, int, int | None]:
     if last < first or (size is not None and last >= size):
         raise ValueError(f"bad Content-Range {value!r}")
     return first, last, size
+
+
+# Header fields never stored with an entry nor replayed from it: hop-by-hop fields
+# (RFC 9110 7.6.1), the framing and validators the proxy sets itself on every answer, the
+# per-request identifiers of object stores, and cookies (a shared cache never replays one
+# client's Set-Cookie to another).
+NOT_STORED = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "content-range",
+        "accept-ranges",
+        "etag",
+        "last-modified",
+        "content-type",
+        "age",
+        "set-cookie",
+        "set-cookie2",
+        "x-cache",
+        "x-amz-request-id",
+        "x-amz-id-2",
+    }
+)
+# Header fields that describe the whole body's bytes: true of a 200, wrong on a 206.
+WHOLE_BODY_ONLY = frozenset({"content-md5", "x-goog-hash", "digest", "repr-digest"})
+WHOLE_BODY_PREFIXES = ("x-amz-checksum-",)
+MAX_STORED_HEADER_BYTES = 32 << 10  # a bigger header block is not cached (logged)
+
+
+def origin_headers(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The end-to-end header fields of an upstream answer that travel with its bytes:
+    every field except the hop-by-hop ones (and those its ``Connection`` names), the
+    framing and validators the proxy writes itself, per-request ids and cookies.
+    Content-Encoding, Content-Language, Content-Disposition, Cache-Control, Expires,
+    Vary, user metadata (``x-amz-meta-*``) and digests are among those kept, in order."""
+    named = {
+        t.strip().lower()
+        for v in _all_values(headers, "Connection")
+        for t in v.split(",")
+        if t.strip()
+    }
+    out = []
+    for k, v in headers.items():
+        low = k.lower()
+        if low in NOT_STORED or low in named:
+            continue
+        out.append((k, v))
+    return tuple(out)
+
+
+def _all_values(headers: Mapping[str, str], name: str) -> list[str]:
+    getall = getattr(headers, "getall", None)
+    if getall is not None:
+        return list(getall(name, []))
+    v = headers.get(name)
+    return [] if v is None else [v]
+
+
+def whole_body_only(name: str) -> bool:
+    """Whether header field ``name`` describes the whole body (never sent on a 206)."""
+    low = name.lower()
+    return low in WHOLE_BODY_ONLY or low.startswith(WHOLE_BODY_PREFIXES)
 
 
 def md5_from_headers(headers: Mapping[str, str]) -> bytes | None:
@@ -65,6 +142,12 @@ class ObjectMeta:
     md5: bytes | None = None  # declared digest of the whole body, verified when present
     cache_control: str | None = None
     accept_ranges: bool = False
+    # the upstream's end-to-end header fields, stored with the entry and replayed on
+    # every answer (see :func:`origin_headers`)
+    fields: tuple[tuple[str, str], ...] = ()
+    # digests of the whole body, as (algorithm, lowercase hex), checked before a commit
+    # (declared by the upstream) and recorded with the entry (computed)
+    digests: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str], status: int = 200) -> ObjectMeta:
@@ -90,6 +173,7 @@ class ObjectMeta:
             md5=md5_from_headers(headers) if status == 200 else None,
             cache_control=headers.get("Cache-Control"),
             accept_ranges="bytes" in (headers.get("Accept-Ranges") or "").lower(),
+            fields=origin_headers(headers),
         )
 
     @property
@@ -112,6 +196,18 @@ class ObjectMeta:
         if self.etag is not None and other.etag is not None and other.etag != self.etag:
             return False  # a weak ETag that changed says the version changed
         return self.last_modified is not None and other.last_modified == self.last_modified
+
+    def field(self, name: str) -> str | None:
+        """The first stored header field ``name`` (case-insensitive), or None."""
+        low = name.lower()
+        for k, v in self.fields:
+            if k.lower() == low:
+                return v
+        return None
+
+    @property
+    def content_encoding(self) -> str | None:
+        return self.field("Content-Encoding")
 
     def with_size(self, size: int) -> ObjectMeta:
         return replace(self, size=size)

@@ -100,7 +100,7 @@ STALE_AGE = 24 * 3600.0  # a .part or reservation older than this is stale whate
 BUSY_TIMEOUT_MS = 60_000
 # 1: no version recorded (0 in user_version); 3: entries.validated, claims, totals kept
 # by triggers (2 was never released)
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4  # 4: header fields and digests kept with each entry
 DEFAULT_MIN_FREE_FRACTION = 0.05
 DEFAULT_MIN_FREE_CAP = 1 << 30  # the default keeps 5% of the filesystem free, at most 1 GiB
 # errnos that mean "the disk or index cannot take this write", not a bug or a network error
@@ -177,6 +177,8 @@ class Entry:
     last_access: float
     hits: int
     validated: float = 0.0  # when the upstream last confirmed these bytes (created, or a 304)
+    fields: tuple[tuple[str, str], ...] = ()  # the upstream's end-to-end header fields
+    digests: tuple[tuple[str, str], ...] = ()  # (algorithm, hex) computed as it was written
 
     @property
     def meta(self) -> ObjectMeta:
@@ -186,6 +188,8 @@ class Entry:
             etag=self.etag,
             last_modified=self.last_modified,
             content_type=self.content_type,
+            fields=self.fields,
+            digests=self.digests,
         )
 
 
@@ -400,7 +404,9 @@ CREATE TABLE IF NOT EXISTS entries (
     created REAL NOT NULL,
     last_access REAL NOT NULL,
     hits INTEGER NOT NULL DEFAULT 0,
-    validated REAL
+    validated REAL,
+    fields TEXT,                    -- JSON [[name, value], ...]: the upstream's header fields
+    digests TEXT                    -- JSON {algorithm: hex}: computed as the bytes were written
 );
 CREATE INDEX IF NOT EXISTS entries_last_access ON entries(last_access);
 CREATE INDEX IF NOT EXISTS entries_created ON entries(created);
@@ -438,9 +444,38 @@ _TOTALS = (
 )
 
 _ENTRY_COLS = (
-    "key, url, size, etag, last_modified, content_type, created, last_access, hits, validated"
+    "key, url, size, etag, last_modified, content_type, created, last_access, hits, validated, "
+    "fields, digests"
 )
-_ENTRY_INSERT = f"INSERT INTO entries ({_ENTRY_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_ENTRY_INSERT = (
+    f"INSERT INTO entries ({_ENTRY_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+def _fields_json(fields: Sequence[tuple[str, str]]) -> str | None:
+    return json.dumps([list(f) for f in fields], separators=(",", ":")) if fields else None
+
+
+def _digests_json(digests: Sequence[tuple[str, str]]) -> str | None:
+    return json.dumps(dict(digests), separators=(",", ":"), sort_keys=True) if digests else None
+
+
+def _fields_from(text: str | None) -> tuple[tuple[str, str], ...]:
+    if not text:
+        return ()
+    try:
+        return tuple((str(k), str(v)) for k, v in json.loads(text))
+    except (ValueError, TypeError):
+        return ()
+
+
+def _digests_from(text: str | None) -> tuple[tuple[str, str], ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(sorted((str(k), str(v)) for k, v in json.loads(text).items()))
+    except (ValueError, TypeError, AttributeError):
+        return ()
 
 
 def _uid() -> str:
@@ -624,6 +659,9 @@ class Store:
             cols = {r[1] for r in conn.execute("PRAGMA table_info(entries)").fetchall()}
             if existed and "validated" not in cols:
                 conn.execute("ALTER TABLE entries ADD COLUMN validated REAL")
+            for col in ("fields", "digests"):
+                if existed and col not in cols:
+                    conn.execute(f"ALTER TABLE entries ADD COLUMN {col} TEXT")
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     conn.execute(statement)
@@ -759,7 +797,7 @@ class Store:
         return self.cache_dir / self.key(url)
 
     def _row_to_entry(self, row: Sequence) -> Entry:
-        key, url, size, etag, lm, ctype, created, last_access, hits, validated = row
+        key, url, size, etag, lm, ctype, created, last_access, hits, validated, fields, dg = row
         return Entry(
             key=key,
             url=url,
@@ -772,6 +810,8 @@ class Store:
             last_access=last_access,
             hits=hits,
             validated=created if validated is None else validated,
+            fields=_fields_from(fields),
+            digests=_digests_from(dg),
         )
 
     # -- lookup ------------------------------------------------------------------------
@@ -1342,8 +1382,11 @@ class Store:
         releases the reservation. Raises :class:`NoRoomError` (after discarding the
         download) if a download of unknown size turned out too big to keep.
         """
+        fields: tuple[tuple[str, str], ...] = ()
+        digests: tuple[tuple[str, str], ...] = ()
         if meta is not None:
             etag, last_modified, content_type = meta.etag, meta.last_modified, meta.content_type
+            fields, digests = meta.fields, meta.digests
         expected = partial.expected_size if partial.expected_size is not None else size
         actual = self._file_size(partial.path)
         if actual is None or actual != size or size != expected:
@@ -1384,6 +1427,8 @@ class Store:
                         now,
                         0,
                         now,
+                        _fields_json(fields),
+                        _digests_json(digests),
                     ),
                 )
                 # last: a failed rename rolls the row back with it
@@ -1417,6 +1462,8 @@ class Store:
             last_access=now,
             hits=0,
             validated=now,
+            fields=fields,
+            digests=tuple(sorted(digests)),
         )
         self._mem.put(entry)
         with self._touch_lock:

@@ -38,7 +38,7 @@ from shardcache.errors import (
     UpstreamCut,
     UpstreamError,
 )
-from shardcache.meta import ObjectMeta, parse_content_range
+from shardcache.meta import ObjectMeta, origin_headers, parse_content_range
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,11 @@ __all__ = [
     "join_key",
     "parse_s3_url",
 ]
+
+
+def _fields(resp: dict) -> tuple[tuple[str, str], ...]:
+    """The end-to-end header fields of botocore's answer ``resp``, as an HTTP origin's."""
+    return origin_headers(resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}))
 
 
 def _http_date(resp: dict) -> str | None:
@@ -89,6 +94,9 @@ class S3Response:
         if status == 416 and meta.size is not None:
             h["Content-Range"] = f"bytes */{meta.size}"
         h.update(meta.headers())
+        for k, v in meta.fields:
+            if k not in h:
+                h.add(k, v)
         if meta.content_type:
             h["Content-Type"] = meta.content_type
         self.headers: Mapping[str, str] = h
@@ -274,6 +282,7 @@ class S3Upstream:
             last_modified=_http_date(resp),
             content_type=resp.get("ContentType"),
             accept_ranges=True,
+            fields=_fields(resp),
         )
 
     async def open(
@@ -318,6 +327,7 @@ class S3Upstream:
             last_modified=_http_date(resp),
             content_type=resp.get("ContentType"),
             accept_ranges=True,
+            fields=_fields(resp),
         )
         return S3Response(url, status, meta, start, length, resp["Body"])
 
