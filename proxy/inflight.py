@@ -504,11 +504,24 @@ class Inflight:
                 return
             os.close(wfd)
             wfd = None
-            dl.all_verified()
+            if dl.meta.close_delimited and not await self._confirmed(dl):
+                # a close-delimited body cannot tell a cut from its end: served, not kept
+                m.unconfirmed.inc()
+                if dl.cached:
+                    with contextlib.suppress(CacheError):
+                        await asyncio.to_thread(self.store.abort, partial)
+                    partial = None
+                    dl.cached = False
             entry = None
             if dl.cached:
+                # the rename and the index row before the last byte goes out: a client
+                # that saw a clean end finds the entry, even after a kill -9 of the proxy
                 entry = await self._commit(dl, partial)
                 partial = None
+            # from here a request finds the entry (and revalidates it when due) or starts
+            # afresh; none joins this finished download
+            self._forget(dl)
+            dl.all_verified()
             dl.to_done(entry)
             log.info("downloaded %s (%d bytes)", dl.url, dl.written)
         except asyncio.CancelledError:
@@ -529,14 +542,53 @@ class Inflight:
             dl.to_failed(exc)
         finally:
             await self._discard(wfd, body, partial)
-            if self._downloads.get(dl.url) is dl:
-                del self._downloads[dl.url]
+            self._forget(dl)
             if dl.claimed:
                 # after the commit: a process asking from now on finds the entry
                 with contextlib.suppress(Exception):
                     await asyncio.shield(asyncio.to_thread(self.store.release_claim, dl.url))
             m.downloads_in_progress.dec()
             dl.ended()
+
+    def _forget(self, dl: Download) -> None:
+        """Take ``dl`` out of the table: requests from now on do not join it."""
+        if self._downloads.get(dl.url) is dl:
+            del self._downloads[dl.url]
+
+    async def _confirmed(self, dl: Download) -> bool:
+        """Whether the upstream confirms that a close-delimited body ended where the object
+        does: its last byte asked again with a range pinned to the version (strong ETag or
+        Last-Modified), answered 206 with the same total and the same byte. False when the
+        upstream cannot say (no validator, Range ignored, another version): the body is
+        served, not cached. IncompleteDownloadError when the same version states a larger
+        size: the close cut the body, and no client may see a clean end."""
+        n = dl.written
+        if n == 0 or dl._read_fd is None:
+            return False
+        try:
+            total, byte = await self.fetcher.probe_end(dl.url, dl.meta, n)
+            mine = await asyncio.to_thread(os.pread, dl._read_fd, 1, n - 1)
+        except (ProxyError, CacheError, OSError) as exc:
+            log.info(
+                "%s: close-delimited body of %d bytes unconfirmed (%s); not cached",
+                dl.url,
+                n,
+                exc,
+            )
+            return False
+        if total is not None and total > n:
+            raise IncompleteDownloadError(dl.url, n, total)
+        if total != n or byte != mine:
+            log.info(
+                "%s: close-delimited body of %d bytes unconfirmed (the upstream states %s "
+                "bytes%s); not cached",
+                dl.url,
+                n,
+                total,
+                "" if byte == mine else ", another last byte",
+            )
+            return False
+        return True
 
     async def _admit(self, dl: Download, meta: ObjectMeta) -> tuple[Partial | None, str]:
         """A partial file for the download, or None and why it is not cached."""
@@ -589,6 +641,8 @@ class Inflight:
         bytes the clients got were right)."""
         try:
             return await asyncio.to_thread(self.store.commit, partial, dl.written, meta=dl.meta)
+        except IncompleteDownloadError:
+            raise  # the file is not what was written: no client may see a clean end
         except CacheError as exc:
             err = self.health.classify("commit", exc)
             if err is not None:

@@ -19,6 +19,8 @@ Names (all prefixed ``shardcache_``)::
     downloads_in_progress             downloads of this proxy running now
     time_to_first_byte_seconds        from request to the first body byte sent (histogram)
     failed_downloads_total            downloads abandoned mid-body (their clients aborted)
+    unconfirmed_bodies_total          close-delimited bodies the upstream could not confirm
+                                      complete (served, not cached)
     store_writable                    1 while the store takes writes, 0 while it passes through
     store_errors_total{op,errno}      writes the disk or index refused (ENOSPC, EIO, EROFS...)
     revalidations_total{result}       conditional requests for aged hits: fresh|changed|gone|error
@@ -126,6 +128,12 @@ class ProxyMetrics:
         self.failed_downloads = Counter(
             "shardcache_failed_downloads_total",
             "Downloads abandoned mid-body; their clients' connections were aborted.",
+            registry=r,
+        )
+        self.unconfirmed = Counter(
+            "shardcache_unconfirmed_bodies_total",
+            "Close-delimited upstream bodies whose end the upstream could not confirm with a "
+            "ranged probe: served, not cached.",
             registry=r,
         )
         self.store_writable = Gauge(

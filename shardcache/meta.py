@@ -148,6 +148,9 @@ class ObjectMeta:
     # digests of the whole body, as (algorithm, lowercase hex), checked before a commit
     # (declared by the upstream) and recorded with the entry (computed)
     digests: tuple[tuple[str, str], ...] = ()
+    # a 200 framed by the connection closing (no Content-Length, not chunked): its end
+    # cannot be told from a cut, so it is confirmed before it is cached
+    close_delimited: bool = False
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str], status: int = 200) -> ObjectMeta:
@@ -155,6 +158,7 @@ class ObjectMeta:
         size (None when chunked or close-delimited), a 206's size is the total of its
         Content-Range. The digest is kept only from a 200 (it covers the whole body)."""
         size: int | None = None
+        close_delimited = False
         if status == 206:
             try:
                 size = parse_content_range(headers.get("Content-Range"))[2]
@@ -165,6 +169,7 @@ class ObjectMeta:
             chunked = "chunked" in (headers.get("Transfer-Encoding") or "").lower()
             if length is not None and length.strip().isdigit() and not chunked:
                 size = int(length)
+            close_delimited = length is None and not chunked and status == 200
         return cls(
             size=size,
             etag=headers.get("ETag"),
@@ -174,6 +179,7 @@ class ObjectMeta:
             cache_control=headers.get("Cache-Control"),
             accept_ranges="bytes" in (headers.get("Accept-Ranges") or "").lower(),
             fields=origin_headers(headers),
+            close_delimited=close_delimited,
         )
 
     @property

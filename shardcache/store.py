@@ -288,7 +288,7 @@ class _Memo:
         row = self._rows.get(key)
         if row is None:
             return None
-        url, size, etag, lm, ctype, created, last_access, hits, validated = row
+        url, size, etag, lm, ctype, created, last_access, hits, validated, fields, dg = row
         return Entry(
             key,
             url,
@@ -301,6 +301,8 @@ class _Memo:
             last_access,
             hits,
             validated,
+            fields,
+            dg,
         )
 
     def put(self, entry: Entry) -> None:
@@ -318,6 +320,8 @@ class _Memo:
             entry.last_access,
             entry.hits,
             entry.validated,
+            entry.fields,
+            entry.digests,
         )
         while len(rows) > self.limit:
             del rows[next(iter(rows))]
@@ -447,9 +451,7 @@ _ENTRY_COLS = (
     "key, url, size, etag, last_modified, content_type, created, last_access, hits, validated, "
     "fields, digests"
 )
-_ENTRY_INSERT = (
-    f"INSERT INTO entries ({_ENTRY_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-)
+_ENTRY_INSERT = f"INSERT INTO entries ({_ENTRY_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 
 
 def _fields_json(fields: Sequence[tuple[str, str]]) -> str | None:

@@ -77,6 +77,8 @@ class Version:
     etag: str | None = None
     last_modified: str | None = None
     content_type: str = "application/x-tar"
+    # more header fields of every answer of this version (Content-Encoding, user metadata...)
+    headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -407,6 +409,7 @@ class BadOrigin:
             base["Last-Modified"] = v.last_modified
         if self.s3:
             base["x-amz-request-id"] = f"BAD{len(self.requests):013d}"
+        base.update(v.headers)
         # preconditions, in the order of RFC 9110 section 13.2.2
         im = headers.get("if-match")
         ius = headers.get("if-unmodified-since")

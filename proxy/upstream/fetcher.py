@@ -25,7 +25,7 @@ from proxy.upstream.file import FileTransport
 from proxy.upstream.parts import can_fetch_in_parts, parts_pump, parts_stream
 from proxy.upstream.resume import can_resume
 from proxy.upstream.s3 import S3Transport, S3Upstream
-from proxy.upstream.stream import Policy, UpstreamBody, read, retrying
+from proxy.upstream.stream import Policy, UpstreamBody, ask, read, retrying
 from proxy.upstream.threaded import ThreadTransport, threadable
 from proxy.upstream.transport import Response, Transport, pump_chunks
 from shardcache.errors import (
@@ -310,6 +310,25 @@ class Fetcher:
             return read(transport, url, meta, start, end, self.policy, first=resp, sink=sink)
 
         return RangeAnswer(meta, brange, wanted, UpstreamBody(url, meta, body, resp.close))
+
+    async def probe_end(self, url: str, meta: ObjectMeta, n: int) -> tuple[int | None, bytes]:
+        """Ask for byte ``n - 1`` of version ``meta`` (pinned by its strong ETag or
+        Last-Modified): the object's total size as that version's 206 states it, and the
+        byte. Confirms where a close-delimited body of ``n`` bytes ended. Raises
+        ProxyError when the upstream cannot say (no validator, Range ignored, another
+        version)."""
+        if not can_resume(meta):
+            raise UpstreamError(f"upstream {url}: no validator to pin a probe of its end")
+        resp, got = await ask(self.transport(url), url, meta, n - 1, n, self.policy)
+        try:
+            data = b""
+            async for chunk in resp.chunks():
+                data += chunk
+                if len(data) > 1:
+                    raise UpstreamError(f"upstream {url}: more bytes than asked")
+        finally:
+            resp.close()
+        return got.size, data
 
     # -- revalidation ----------------------------------------------------------------------
 

@@ -1,0 +1,105 @@
+"""No answer depends on the race between a download's last byte and its commit.
+
+- A client that received a clean end of the whole object finds the entry after the
+  proxy is killed with SIGKILL right then: the entry is renamed into place and in the
+  index before the last byte goes out.
+- With ``--revalidate always``, a request that arrives after an earlier response ended
+  asks the upstream first: it never joins the finished download as an unrevalidated HIT.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from badorigin import BadOrigin, Version
+from faultclient import fetch, settle
+from proxy_helpers import ProxyProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+MiB = 1 << 20
+LM = "Mon, 01 Jan 2024 00:00:00 GMT"
+COMMON = ("--retries", "1", "--read-timeout", "5", "--grace-period", "1", "--min-free", "0")
+TRANSPORTS = {
+    "threads": ("--http-transport", "threads"),
+    "aiohttp": ("--http-transport", "aiohttp"),
+    "parts": ("--http-parts", "on", "--part-size", "1MiB", "--parallel", "4"),
+}
+
+
+@pytest.fixture(params=list(TRANSPORTS))
+def transport(request) -> str:
+    return request.param
+
+
+def test_a_clean_end_survives_kill_9(transport, tmp_path):
+    rounds = 8
+    with BadOrigin() as origin:
+        objects = {}
+        for i in range(rounds):
+            data = os.urandom(4 * MiB + i)
+            objects[f"/o{i}.tar"] = data
+            origin.add(f"/o{i}.tar", versions=[Version(data, etag=f'"e{i}"', last_modified=LM)])
+        args = ("--upstream", origin.url, *COMMON, *TRANSPORTS[transport])
+        cache = tmp_path / "cache"
+        lost = []
+        for path, data in objects.items():
+            p = ProxyProcess(cache, *args).start()
+            try:
+                r = fetch(p.port, path)
+                assert r.status == 200 and r.clean and r.body == data, r.describe()
+            finally:
+                p.stop(sig=signal.SIGKILL)  # at once, right after the clean end
+            p = ProxyProcess(cache, *args).start()
+            try:
+                again = fetch(p.port, path)
+                assert again.status == 200 and again.body == data, again.describe()
+                if again.headers.get("x-cache") != "HIT":
+                    lost.append(path)
+            finally:
+                p.stop(timeout=10)
+        assert not lost, f"entries lost after kill -9 following a clean end: {lost}"
+
+
+def test_revalidate_always_right_after_a_miss(transport, tmp_path):
+    """The object is replaced as soon as the first GET has taken its version; the next
+    request, sent the moment the first response ended, must get the new bytes."""
+    rounds = 10
+    with BadOrigin() as origin:
+        pairs = {}
+        for i in range(rounds):
+            old, new = os.urandom(2 * MiB), os.urandom(2 * MiB)
+            pairs[f"/r{i}.tar"] = (old, new)
+            origin.add(
+                f"/r{i}.tar",
+                versions=[
+                    Version(old, etag=f'"old{i}"', last_modified=LM),
+                    Version(new, etag=f'"new{i}"', last_modified=LM),
+                ],
+                # replaced once the first download has taken its version (2 parts)
+                advance_after=(2,) if transport == "parts" else (1,),
+            )
+        p = ProxyProcess(
+            tmp_path / "cache",
+            "--upstream",
+            origin.url,
+            "--revalidate",
+            "always",
+            *COMMON,
+            *TRANSPORTS[transport],
+        ).start()
+        try:
+            stale = []
+            for path, (old, new) in pairs.items():
+                first = fetch(p.port, path)
+                assert first.status == 200 and first.body == old, first.describe()
+                second = fetch(p.port, path)
+                assert second.status == 200 and second.body in (old, new), second.describe()
+                if second.body != new:
+                    stale.append((path, second.headers.get("x-cache")))
+            settle(p)
+            assert not stale, f"served without revalidation after a miss: {stale}"
+        finally:
+            p.stop(timeout=10)
