@@ -238,3 +238,57 @@ def test_signed_front_with_the_configured_key_pair(seaweed, tmp_path):
         assert status == 403
     finally:
         p.stop()
+
+
+@pytest.mark.parametrize("transport", ["threads", "aiohttp"])
+def test_s3_object_stored_with_content_encoding_keeps_it(seaweed, boto, tmp_path, transport):
+    """An object stored with ``ContentEncoding=gzip`` and user metadata is served with
+    them on the miss, on the hit and through the S3 front, on both GET paths (presigned
+    over the threaded transport, aiobotocore)."""
+    import gzip
+
+    encoded = gzip.compress(os.urandom(2 << 20), compresslevel=1)
+    key = f"shards/encoded-{transport}.tar.gz"
+    boto.put_object(
+        Bucket=BUCKET,
+        Key=key,
+        Body=encoded,
+        ContentEncoding="gzip",
+        ContentLanguage="de",
+        Metadata={"color": "blue"},
+    )
+    p = _start(
+        seaweed,
+        tmp_path,
+        seaweed.access_key,
+        seaweed.secret_key,
+        "--http-transport",
+        transport,
+    )
+    try:
+        name = key.removeprefix("shards/")
+        for expect in ("MISS", "HIT"):
+            status, headers, body = _get(f"{p.url}/shards/{name}")
+            headers = {k.lower(): v for k, v in headers.items()}
+            assert status == 200 and body == encoded, (status, len(body))
+            assert headers.get("x-cache") == expect, headers
+            assert headers.get("content-encoding") == "gzip", headers
+            assert headers.get("content-language") == "de", headers
+            assert headers.get("x-amz-meta-color") == "blue", headers
+            _get(f"{p.url}/-/stats")
+        import boto3
+        from botocore.config import Config
+
+        front = boto3.client(
+            "s3",
+            endpoint_url=p.url,
+            aws_access_key_id="x",
+            aws_secret_access_key="y",
+            region_name="us-east-1",
+            config=Config(s3={"addressing_style": "path"}),
+        )
+        got = front.get_object(Bucket="shards", Key=name)
+        assert got["Body"].read() == encoded
+        assert got["ContentEncoding"] == "gzip" and got["Metadata"] == {"color": "blue"}
+    finally:
+        p.stop()
