@@ -31,6 +31,7 @@ from proxy.policy import (
     conditional_status,
     map_request,
     map_url,
+    must_revalidate_each_use,
     needs_revalidation,
     parse_range,
     range_applies,
@@ -452,7 +453,10 @@ async def _shard(request: web.Request) -> web.StreamResponse:
             except CacheError as exc:  # the index cannot be read: answer from the upstream
                 log.error("cache lookup of %s failed, passing it through: %s", url, exc)
                 return await _serve_bypass(request, url)
-            if entry is not None and needs_revalidation(s.revalidate, entry.validated, time.time()):
+            if entry is not None and (
+                needs_revalidation(s.revalidate, entry.validated, time.time())
+                or must_revalidate_each_use(entry.meta.cache_control)
+            ):
                 entry = await _revalidate(request, url, entry)
             if entry is not None:
                 resp = await _serve_hit(request, entry)

@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from proxy.metrics import ProxyMetrics
-from proxy.policy import cache_control_forbids, should_admit
+from proxy.policy import cache_control_forbids, should_admit, vary_forbids
 from proxy.storehealth import StoreHealth
 from proxy.upstream import Fetcher, UpstreamBody
 from shardcache.errors import (
@@ -51,7 +51,7 @@ from shardcache.errors import (
     ProxyError,
     UpstreamError,
 )
-from shardcache.meta import ObjectMeta
+from shardcache.meta import MAX_STORED_HEADER_BYTES, ObjectMeta
 from shardcache.store import Entry, Partial, Store
 
 __all__ = ["Download", "DownloadFailed", "Inflight", "State"]
@@ -616,6 +616,14 @@ class Inflight:
         health = self.health
         if cache_control_forbids(meta.cache_control):
             return None, f"upstream Cache-Control: {meta.cache_control}"
+        if vary_forbids(meta.field("Vary"), meta.content_encoding):
+            return None, f"upstream Vary: {meta.field('Vary')} (entries are keyed by URL)"
+        size = sum(len(k) + len(v) + 4 for k, v in meta.fields)
+        if size > MAX_STORED_HEADER_BYTES:
+            return None, (
+                f"its header fields take {size} bytes, more than the "
+                f"{MAX_STORED_HEADER_BYTES} stored with an entry"
+            )
         if not health.writable:
             return None, "the store is not writable"
         if not should_admit(meta.size, self.cache_size):

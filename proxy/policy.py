@@ -130,6 +130,40 @@ def needs_revalidation(max_age: float | None, validated: float, now: float) -> b
     return max_age is not None and now - validated >= max_age
 
 
+def _directives(value: str | None) -> dict[str, str | None]:
+    """The directives of a Cache-Control value: lower-cased name -> argument or None."""
+    out: dict[str, str | None] = {}
+    for directive in (value or "").split(","):
+        name, eq, arg = directive.partition("=")
+        name = name.strip().lower()
+        if name:
+            out.setdefault(name, arg.strip().strip('"') if eq else None)
+    return out
+
+
+def must_revalidate_each_use(cache_control: str | None) -> bool:
+    """Whether a stored answer with this ``Cache-Control`` may be reused only after the
+    upstream confirms it, every time (``no-cache`` without field names, RFC 9111 5.2.2.4;
+    the qualified form only forbids replaying the fields it names)."""
+    d = _directives(cache_control)
+    return "no-cache" in d and not d["no-cache"]
+
+
+def vary_forbids(vary: str | None, content_encoding: str | None) -> bool:
+    """Whether an answer with this ``Vary`` cannot be stored: this cache keys entries by
+    URL alone, so an answer chosen by request fields is stored only when any client may
+    have it. ``Vary: *`` never; ``Vary: Accept-Encoding`` on an unencoded answer (the
+    proxy asks for identity, which every client accepts) is fine; any other field is
+    not stored (each client is answered by the upstream, uncached)."""
+    if not vary:
+        return False
+    fields = {f.strip().lower() for f in vary.split(",") if f.strip()}
+    if "*" in fields:
+        return True
+    encoded = (content_encoding or "identity").strip().lower() != "identity"
+    return bool(fields - {"accept-encoding"}) or (encoded and "accept-encoding" in fields)
+
+
 def cache_control_forbids(value: str | None) -> bool:
     """Whether an upstream ``Cache-Control`` forbids a shared cache to store the answer
     (``no-store`` or ``private``)."""

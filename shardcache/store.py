@@ -183,11 +183,13 @@ class Entry:
     @property
     def meta(self) -> ObjectMeta:
         """The cached version, in the shape the upstream layer speaks."""
+        cache_control = next((v for k, v in self.fields if k.lower() == "cache-control"), None)
         return ObjectMeta(
             size=self.size,
             etag=self.etag,
             last_modified=self.last_modified,
             content_type=self.content_type,
+            cache_control=cache_control,
             fields=self.fields,
             digests=self.digests,
         )

@@ -1,0 +1,121 @@
+"""What the origin says about reuse is honoured where it matters for correctness:
+``Cache-Control: no-cache`` means ask the upstream before every reuse (whatever
+``--revalidate`` says), ``Vary`` is either harmless (``Accept-Encoding`` on an unencoded
+answer, which every client accepts) or the answer is not stored, and a header block too
+large to keep with an entry is not stored either."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from badorigin import BadOrigin, Version
+from faultclient import fetch, settle
+from proxy_helpers import ProxyProcess
+
+from proxy.policy import must_revalidate_each_use, vary_forbids
+
+KiB = 1 << 10
+LM = "Mon, 01 Jan 2024 00:00:00 GMT"
+COMMON = ("--retries", "1", "--read-timeout", "5", "--grace-period", "1", "--min-free", "0")
+
+
+def test_no_cache_rule():
+    assert must_revalidate_each_use("no-cache")
+    assert must_revalidate_each_use("public, No-Cache, max-age=60")
+    assert not must_revalidate_each_use('no-cache="Set-Cookie"')  # qualified: fields only
+    assert not must_revalidate_each_use("max-age=60")
+    assert not must_revalidate_each_use(None)
+
+
+def test_vary_rule():
+    assert not vary_forbids(None, None)
+    assert not vary_forbids("Accept-Encoding", None)
+    assert not vary_forbids("accept-encoding", "identity")
+    assert vary_forbids("Accept-Encoding", "gzip")
+    assert vary_forbids("*", None)
+    assert vary_forbids("Accept-Encoding, User-Agent", None)
+    assert vary_forbids("Origin", None)
+
+
+@pytest.fixture
+def origin():
+    with BadOrigin() as o:
+        yield o
+
+
+@pytest.fixture
+def proxy(origin, tmp_path):
+    p = ProxyProcess(tmp_path / "cache", "--upstream", origin.url, *COMMON).start()
+    try:
+        yield p
+    finally:
+        p.stop(timeout=10)
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+
+
+def test_no_cache_is_revalidated_before_each_reuse(origin, proxy):
+    """Default mode (``--revalidate never``): an entry whose answer said ``no-cache`` is
+    still stored, but every hit first asks the upstream (a conditional GET answered
+    304); once the object changes, the new bytes are served."""
+    old, new = os.urandom(64 * KiB), os.urandom(64 * KiB)
+    sc = origin.add(
+        "/nc.tar",
+        versions=[
+            Version(old, etag='"a"', last_modified=LM, headers={"Cache-Control": "no-cache"}),
+            Version(new, etag='"b"', last_modified=LM, headers={"Cache-Control": "no-cache"}),
+        ],
+    )
+    r = fetch(proxy.port, "/nc.tar")
+    assert r.status == 200 and r.body == old and r.headers.get("x-cache") == "MISS"
+    settle(proxy)
+    for _ in range(3):
+        hit = fetch(proxy.port, "/nc.tar")
+        assert hit.status == 200 and hit.body == old and hit.headers.get("x-cache") == "HIT"
+    conditionals = [g for g in origin.log("/nc.tar", "GET") if g.header("if-none-match")]
+    assert len(conditionals) == 3, [g.headers for g in origin.log("/nc.tar")]
+    sc.current = 1
+    changed = fetch(proxy.port, "/nc.tar")
+    assert changed.status == 200 and changed.body == new, changed.describe()
+
+
+@pytest.mark.parametrize(
+    "vary, encoding, stored",
+    [
+        ("Accept-Encoding", None, True),
+        ("Accept-Encoding", "gzip", False),
+        ("*", None, False),
+        ("User-Agent", None, False),
+    ],
+)
+def test_vary(origin, proxy, vary, encoding, stored):
+    data = os.urandom(32 * KiB)
+    headers = {"Vary": vary}
+    if encoding:
+        headers["Content-Encoding"] = encoding
+    origin.add("/v.tar", versions=[Version(data, etag='"v"', last_modified=LM, headers=headers)])
+    seen = []
+    for _ in range(2):
+        r = fetch(proxy.port, "/v.tar")
+        assert r.status == 200 and r.body == data, r.describe()
+        assert r.headers.get("vary") == vary
+        seen.append(r.headers.get("x-cache"))
+        settle(proxy)
+    assert seen == (["MISS", "HIT"] if stored else ["BYPASS", "BYPASS"]), seen
+
+
+def test_a_header_block_too_large_to_store_is_not_cached(origin, proxy):
+    data = os.urandom(8 * KiB)
+    headers = {f"x-amz-meta-k{i}": "v" * 1000 for i in range(40)}  # ~40 KB of fields
+    origin.add(
+        "/big-h.tar", versions=[Version(data, etag='"h"', last_modified=LM, headers=headers)]
+    )
+    for _ in range(2):
+        r = fetch(proxy.port, "/big-h.tar")
+        assert r.status == 200 and r.body == data, r.describe()
+        assert r.headers.get("x-cache") == "BYPASS"
+        assert r.headers.get("x-amz-meta-k39") == "v" * 1000
+        settle(proxy)
+    assert "more than the" in proxy.log_text()
