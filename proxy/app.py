@@ -41,6 +41,7 @@ from proxy.s3front import S3_SERVICE_ROUTE, S3Front
 from proxy.sendfile import send_file
 from proxy.storehealth import StoreHealth
 from proxy.upstream import Fetcher, ObjectMeta, S3Upstream, UpstreamBody
+from proxy.upstream.redirects import RedirectPolicy
 from proxy.upstream.resume import can_resume
 from shardcache.errors import (
     BadRequest,
@@ -221,6 +222,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         http_parts=s.http_parts,
         threaded=s.http_transport == "threads",
         s3=app[S3_CLIENT],  # type: ignore[arg-type]
+        redirects=RedirectPolicy(hosts=s.redirect_hosts, max_hops=s.max_redirects),
     )
     app[STORE] = store
     app[FETCHER] = fetcher

@@ -26,7 +26,13 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
-from proxy.policy import Upstream, parse_min_free, parse_revalidate, parse_size
+from proxy.policy import (
+    DEFAULT_REDIRECT_HOSTS,
+    Upstream,
+    parse_min_free,
+    parse_revalidate,
+    parse_size,
+)
 from shardcache.errors import S3_EXTRA_HINT, BadRequest, ConfigError
 from shardcache.store import (
     DEFAULT_MIN_FREE_CAP,
@@ -294,6 +300,25 @@ def _upstreams(values: list[str]) -> tuple[Upstream, ...]:
     return upstreams
 
 
+def _redirect_hosts(values: list[str] | str) -> tuple[str, ...]:
+    items = _split_list(values) if isinstance(values, str) else values
+    hosts = tuple(h.strip().lower() for h in items if h.strip())
+    for h in hosts:
+        if not _DOMAIN_RE.match(h.removeprefix("*.")) and not _is_ip(h.strip("[]")):
+            raise ValueError(f"not a host name, *.DOMAIN pattern or IP address: {h!r}")
+    return hosts
+
+
+def _is_ip(text: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _hosts(values: list[str]) -> tuple[str, ...]:
     return tuple(h.lower() for h in values)
 
@@ -325,6 +350,19 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="HOST[:PORT]",
         many=True,
     ),
+    Setting(
+        "redirect_hosts",
+        DEFAULT_REDIRECT_HOSTS,
+        "host an upstream may redirect to besides its own (redirects are followed inside "
+        "the proxy; *.DOMAIN matches its subdomains; link-local and metadata addresses only "
+        "when named exactly); repeatable",
+        _redirect_hosts,
+        flag="--redirect-host",
+        env=ENV_PREFIX + "REDIRECT_HOSTS",
+        metavar="HOST",
+        many=True,
+    ),
+    Setting("max_redirects", 5, "upstream redirects followed for one request", _int, minimum=0),
     Setting("cache_dir", None, "directory of the on-disk store", _cache_dir, required=True),
     Setting(
         "cache_size",
@@ -485,6 +523,8 @@ class Settings:
     port: int = DEFAULTS["port"]
     admin_token: str | None = DEFAULTS["admin_token"]
     allow_hosts: tuple[str, ...] = DEFAULTS["allow_hosts"]
+    redirect_hosts: tuple[str, ...] = DEFAULTS["redirect_hosts"]
+    max_redirects: int = DEFAULTS["max_redirects"]
     log_level: str = DEFAULTS["log_level"]
     eviction: str = DEFAULTS["eviction"]
     connect_timeout: float = DEFAULTS["connect_timeout"]

@@ -130,6 +130,11 @@ def needs_revalidation(max_age: float | None, validated: float, now: float) -> b
     return max_age is not None and now - validated >= max_age
 
 
+# hosts an upstream may redirect to besides its own: the Hugging Face Hub's CDN and
+# storage hosts, where its resolve URLs lead (see proxy.upstream.redirects)
+DEFAULT_REDIRECT_HOSTS: tuple[str, ...] = ("*.hf.co", "*.huggingface.co", "huggingface.co")
+
+
 def _directives(value: str | None) -> dict[str, str | None]:
     """The directives of a Cache-Control value: lower-cased name -> argument or None."""
     out: dict[str, str | None] = {}

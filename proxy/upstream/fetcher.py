@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -23,6 +24,7 @@ from proxy.upstream.aio import AioTransport
 from proxy.upstream.errors import REDIRECTS, UpstreamRedirect, status_error
 from proxy.upstream.file import FileTransport
 from proxy.upstream.parts import can_fetch_in_parts, parts_pump, parts_stream
+from proxy.upstream.redirects import RedirectingTransport, RedirectPolicy, Target
 from proxy.upstream.resume import can_resume
 from proxy.upstream.s3 import S3Transport, S3Upstream
 from proxy.upstream.stream import Policy, UpstreamBody, ask, read, retrying
@@ -80,6 +82,7 @@ class Fetcher:
         http_parts: bool = DEFAULTS["http_parts"],
         s3: S3Upstream | None = None,
         threaded: bool = DEFAULTS["http_transport"] == "threads",
+        redirects: RedirectPolicy | None = None,
     ) -> None:
         self.observe = observe
         self.policy = Policy(retries, retry_backoff, observe, on_bytes)
@@ -98,6 +101,8 @@ class Fetcher:
         self._s3 = (
             S3Transport(s3, threads=self._threads if threaded else None) if s3 is not None else None
         )
+        self.redirects = redirects if redirects is not None else RedirectPolicy()
+        self._targets: OrderedDict[str, Target] = OrderedDict()
 
     async def close(self) -> None:
         """Close the upstream connection pools."""
@@ -118,9 +123,11 @@ class Fetcher:
         if scheme == "file":
             return self._file
         if scheme in ("http", "https"):
-            if stream and self.threaded and threadable(url):
-                return self._threads
-            return self._aio
+
+            def pick(hop: str) -> Transport:
+                return self._threads if stream and self.threaded and threadable(hop) else self._aio
+
+            return RedirectingTransport(pick, self.redirects, self._targets)
         if scheme == "s3":
             if self._s3 is None:
                 raise UpstreamError(f"{url}: no S3 client configured for s3:// upstreams")
@@ -130,8 +137,9 @@ class Fetcher:
     async def _request(
         self, method: str, url: str, headers: dict[str, str], ok: tuple[int, ...], *, stream: bool
     ) -> Response:
-        """One request, retried while throttled; an answer outside ``ok`` raises (a
-        redirect as UpstreamRedirect, passed on to the client). Counted in ``observe``."""
+        """One request, retried while throttled; an answer outside ``ok`` raises
+        (redirects are followed by the transport; one it could not follow, e.g. of a
+        method other than GET and HEAD, as UpstreamRedirect). Counted in ``observe``."""
         transport = self.transport(url, stream=stream)
 
         async def once() -> Response:
