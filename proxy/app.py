@@ -22,6 +22,7 @@ from multidict import CIMultiDict
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from proxy.config import Settings
+from proxy.credentials import Credentials
 from proxy.hits import HitTier
 from proxy.inflight import Download, DownloadFailed, Inflight, State
 from proxy.metrics import ProxyMetrics
@@ -223,6 +224,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         threaded=s.http_transport == "threads",
         s3=app[S3_CLIENT],  # type: ignore[arg-type]
         redirects=RedirectPolicy(hosts=s.redirect_hosts, max_hops=s.max_redirects),
+        credentials=Credentials(
+            {
+                u.base: [c for c in (*s.upstream_auth, *s.upstream_headers) if c.upstream == u.name]
+                for u in s.upstreams
+            }
+        ),
     )
     app[STORE] = store
     app[FETCHER] = fetcher

@@ -26,6 +26,7 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
+from proxy.credentials import Credential, parse_credential
 from proxy.policy import (
     DEFAULT_REDIRECT_HOSTS,
     Upstream,
@@ -319,6 +320,19 @@ def _is_ip(text: str) -> bool:
     return True
 
 
+def _credential_list(values: list[str] | str, bearer: bool) -> tuple[Credential, ...]:
+    items = [v for v in re.split(r"[\s]+", values) if v] if isinstance(values, str) else values
+    return tuple(parse_credential(v, bearer=bearer) for v in items)
+
+
+def _bearer_credentials(values: list[str] | str) -> tuple[Credential, ...]:
+    return _credential_list(values, bearer=True)
+
+
+def _header_credentials(values: list[str] | str) -> tuple[Credential, ...]:
+    return _credential_list(values, bearer=False)
+
+
 def _hosts(values: list[str]) -> tuple[str, ...]:
     return tuple(h.lower() for h in values)
 
@@ -363,6 +377,29 @@ SETTINGS: tuple[Setting, ...] = (
         many=True,
     ),
     Setting("max_redirects", 5, "upstream redirects followed for one request", _int, minimum=0),
+    Setting(
+        "upstream_auth",
+        (),
+        "bearer token sent to an http(s) upstream (NAME: a named upstream's; none: the "
+        "unnamed one's), read from env:VARIABLE or file:PATH (re-read when it changes), "
+        "never logged, never sent to another host; repeatable",
+        _bearer_credentials,
+        metavar="[NAME=]env:VAR|file:PATH",
+        many=True,
+        split_flag=False,
+    ),
+    Setting(
+        "upstream_headers",
+        (),
+        "a header sent to an http(s) upstream, its value read from env:VARIABLE or "
+        "file:PATH, as for --upstream-auth; repeatable",
+        _header_credentials,
+        flag="--upstream-header",
+        env=ENV_PREFIX + "UPSTREAM_HEADERS",
+        metavar="[NAME=]HEADER:env:VAR|file:PATH",
+        many=True,
+        split_flag=False,
+    ),
     Setting("cache_dir", None, "directory of the on-disk store", _cache_dir, required=True),
     Setting(
         "cache_size",
@@ -525,6 +562,8 @@ class Settings:
     allow_hosts: tuple[str, ...] = DEFAULTS["allow_hosts"]
     redirect_hosts: tuple[str, ...] = DEFAULTS["redirect_hosts"]
     max_redirects: int = DEFAULTS["max_redirects"]
+    upstream_auth: tuple[Credential, ...] = DEFAULTS["upstream_auth"]
+    upstream_headers: tuple[Credential, ...] = DEFAULTS["upstream_headers"]
     log_level: str = DEFAULTS["log_level"]
     eviction: str = DEFAULTS["eviction"]
     connect_timeout: float = DEFAULTS["connect_timeout"]
@@ -666,6 +705,23 @@ def _check_together(s: Settings) -> None:
             )
         except (ssl.SSLError, OSError) as exc:
             raise ConfigError("--tls-cert", f"cannot load the certificate and key: {exc}") from None
+    for flag, creds in (
+        ("--upstream-auth", s.upstream_auth),
+        ("--upstream-header", s.upstream_headers),
+    ):
+        for c in creds:
+            ups = [u for u in s.upstreams if u.name == c.upstream]
+            if not ups:
+                names = ", ".join(u.name or "(unnamed)" for u in s.upstreams) or "none"
+                raise ConfigError(
+                    flag, f"{c}: no upstream named {c.upstream or '(unnamed)'} (upstreams: {names})"
+                )
+            if not ups[0].base.startswith(("http://", "https://")):
+                raise ConfigError(flag, f"{c}: only http(s) upstreams take these credentials")
+            try:
+                c.source.check()
+            except ValueError as exc:
+                raise ConfigError(flag, f"{c}: {exc}") from None
     if s.s3_front_access_key and not s.s3_front_secret_key:
         raise ConfigError("--s3-front-secret-key", "required with --s3-front-access-key")
     if s.s3_front_secret_key and not s.s3_front_access_key:

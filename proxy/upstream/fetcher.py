@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from proxy.config import DEFAULTS
+from proxy.credentials import Credentials
 from proxy.policy import ByteRange, parse_range
 from proxy.upstream.aio import AioTransport
 from proxy.upstream.errors import REDIRECTS, UpstreamRedirect, status_error
@@ -83,6 +84,7 @@ class Fetcher:
         s3: S3Upstream | None = None,
         threaded: bool = DEFAULTS["http_transport"] == "threads",
         redirects: RedirectPolicy | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         self.observe = observe
         self.policy = Policy(retries, retry_backoff, observe, on_bytes)
@@ -102,6 +104,7 @@ class Fetcher:
             S3Transport(s3, threads=self._threads if threaded else None) if s3 is not None else None
         )
         self.redirects = redirects if redirects is not None else RedirectPolicy()
+        self.credentials = credentials if credentials is not None else Credentials()
         self._targets: OrderedDict[str, Target] = OrderedDict()
 
     async def close(self) -> None:
@@ -127,7 +130,11 @@ class Fetcher:
             def pick(hop: str) -> Transport:
                 return self._threads if stream and self.threaded and threadable(hop) else self._aio
 
-            return RedirectingTransport(pick, self.redirects, self._targets)
+            try:
+                creds = self.credentials.headers_for(url) if self.credentials else None
+            except ValueError as exc:  # names the source (variable, file), never a value
+                raise UpstreamError(f"credentials for {url} cannot be read: {exc}") from None
+            return RedirectingTransport(pick, self.redirects, self._targets, creds)
         if scheme == "s3":
             if self._s3 is None:
                 raise UpstreamError(f"{url}: no S3 client configured for s3:// upstreams")

@@ -198,10 +198,13 @@ class RedirectingTransport:
         pick: Callable[[str], Transport],
         policy: RedirectPolicy,
         targets: OrderedDict[str, Target],
+        credentials: Mapping[str, str] | None = None,
     ) -> None:
         self.pick = pick
         self.policy = policy
         self.targets = targets  # first URL -> where it led last
+        # header fields the operator configured for this upstream: its own host only
+        self.credentials = credentials or {}
 
     async def request(self, method: str, url: str, headers: Mapping[str, str]) -> Response:
         known = self.targets.get(url)
@@ -226,11 +229,15 @@ class RedirectingTransport:
         hops = 0
         while True:
             host = (urlsplit(current).hostname or "").lower()
-            sent = (
-                headers
-                if host == origin_host
-                else {k: v for k, v in headers.items() if k.lower() not in CREDENTIALS}
-            )
+            if host == origin_host:
+                sent = {**headers, **self.credentials} if self.credentials else headers
+            else:
+                mine = {k.lower() for k in self.credentials}
+                sent = {
+                    k: v
+                    for k, v in headers.items()
+                    if k.lower() not in CREDENTIALS and k.lower() not in mine
+                }
             resp = await self.pick(current).request(method, current, sent)
             location = resp.headers.get("Location")
             if (
