@@ -37,6 +37,7 @@ from proxy.policy import (
     parse_range,
     range_applies,
     should_admit,
+    unsigned_url,
 )
 from proxy.s3front import S3_SERVICE_ROUTE, S3Front
 from proxy.sendfile import send_file
@@ -194,6 +195,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             min_free=s.min_free,
             memo_entries=MEMO_ENTRIES // s.workers,  # the bounds are per proxy, not per worker
         )
+        if s.strip_signatures == "on" or (s.strip_signatures == "auto" and loopback_only(s.host)):
+            st.key_url = unsigned_url  # a URL signed afresh is the same entry
         try:
             st.check_writable()  # StoreUnusable (exit 2) before listening
         except StoreUnusable as exc:

@@ -378,6 +378,15 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("max_redirects", 5, "upstream redirects followed for one request", _int, minimum=0),
     Setting(
+        "strip_signatures",
+        "auto",
+        "cache key of a signed URL (AWS, CloudFront, GCS, Azure SAS): on drops its signature "
+        "and expiry parameters, so the same object signed afresh is a hit (the request "
+        "still uses the URL given) and anyone who can reach the proxy reads what it cached "
+        "without a valid signature; auto: on when listening on loopback only",
+        choices=("auto", "on", "off"),
+    ),
+    Setting(
         "upstream_auth",
         (),
         "bearer token sent to an http(s) upstream (NAME: a named upstream's; none: the "
@@ -454,7 +463,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("read_timeout", 60.0, "upstream idle read timeout, seconds", _float, minimum=0.001),
     Setting("retries", 3, "resume attempts after an upstream fails mid-body", _int, minimum=0),
     Setting("grace_period", 30.0, "seconds to let responses finish on SIGTERM", _float, minimum=0),
-    Setting("max_path_length", 1024, "longest accepted request path", _int, minimum=16),
+    Setting(
+        "max_path_length",
+        8000,
+        "longest accepted request path and query (presigned URLs with a session token "
+        "take 1,500 characters and more)",
+        _int,
+        minimum=16,
+    ),
     Setting(
         "prefetch_concurrency",
         4,
@@ -562,6 +578,7 @@ class Settings:
     allow_hosts: tuple[str, ...] = DEFAULTS["allow_hosts"]
     redirect_hosts: tuple[str, ...] = DEFAULTS["redirect_hosts"]
     max_redirects: int = DEFAULTS["max_redirects"]
+    strip_signatures: str = DEFAULTS["strip_signatures"]
     upstream_auth: tuple[Credential, ...] = DEFAULTS["upstream_auth"]
     upstream_headers: tuple[Credential, ...] = DEFAULTS["upstream_headers"]
     log_level: str = DEFAULTS["log_level"]

@@ -441,11 +441,11 @@ class Inflight:
 
     def running(self, url: str) -> bool:
         """Whether a download of ``url`` is under way here."""
-        return url in self._downloads
+        return self.store.key(url) in self._downloads
 
     def get(self, url: str) -> Download | None:
         """The running download of ``url``, already acquired for the caller, or None."""
-        dl = self._downloads.get(url)
+        dl = self._downloads.get(self.store.key(url))
         if dl is not None:
             dl.acquire()
         return dl
@@ -454,13 +454,13 @@ class Inflight:
         """Start downloading ``url`` (caller checked it is neither cached nor running);
         the returned download is acquired for the caller. ``claimed``: the caller holds
         the store's cross-process claim on ``url``, released when the download ends."""
-        if url in self._downloads:
+        if self.store.key(url) in self._downloads:
             return self.get(url)  # type: ignore[return-value]
         dl = Download(url)
         if claimed:
             dl.hold_claim()
         dl.acquire()
-        self._downloads[url] = dl
+        self._downloads[self.store.key(url)] = dl
         dl.task = asyncio.get_running_loop().create_task(self._run(dl), name=f"download {url}")
         return dl
 
@@ -573,8 +573,9 @@ class Inflight:
 
     def _forget(self, dl: Download) -> None:
         """Take ``dl`` out of the table: requests from now on do not join it."""
-        if self._downloads.get(dl.url) is dl:
-            del self._downloads[dl.url]
+        key = self.store.key(dl.url)
+        if self._downloads.get(key) is dl:
+            del self._downloads[key]
 
     async def _confirmed(self, dl: Download) -> bool:
         """Whether the upstream confirms that a close-delimited body ended where the object

@@ -135,6 +135,105 @@ def needs_revalidation(max_age: float | None, validated: float, now: float) -> b
 DEFAULT_REDIRECT_HOSTS: tuple[str, ...] = ("*.hf.co", "*.huggingface.co", "huggingface.co")
 
 
+# Query parameters that sign a URL or bound its validity, by the parameter whose presence
+# says the URL is signed that way. Only a signed URL loses them (an ordinary query with an
+# "st" or "expires" parameter keeps it): AWS SigV4 presigned URLs, SigV2 / CloudFront /
+# GCS V2 signatures, GCS V4 signed URLs, Azure SAS tokens.
+SIGNATURE_FAMILIES: tuple[tuple[str, frozenset[str]], ...] = (
+    (
+        "x-amz-signature",
+        frozenset(
+            {
+                "x-amz-algorithm",
+                "x-amz-credential",
+                "x-amz-date",
+                "x-amz-expires",
+                "x-amz-signedheaders",
+                "x-amz-signature",
+                "x-amz-security-token",
+            }
+        ),
+    ),
+    (
+        "x-goog-signature",
+        frozenset(
+            {
+                "x-goog-algorithm",
+                "x-goog-credential",
+                "x-goog-date",
+                "x-goog-expires",
+                "x-goog-signedheaders",
+                "x-goog-signature",
+            }
+        ),
+    ),
+    (
+        "signature",
+        frozenset(
+            {
+                "signature",
+                "expires",
+                "awsaccesskeyid",
+                "googleaccessid",
+                "key-pair-id",
+                "policy",
+                "x-amz-security-token",
+            }
+        ),
+    ),
+    (
+        "sig",
+        frozenset(
+            {
+                "sig",
+                "sv",
+                "ss",
+                "srt",
+                "sp",
+                "se",
+                "st",
+                "spr",
+                "sr",
+                "si",
+                "sip",
+                "skoid",
+                "sktid",
+                "skt",
+                "ske",
+                "sks",
+                "skv",
+                "saoid",
+                "suoid",
+                "scid",
+                "sdd",
+                "ses",
+            }
+        ),
+    ),
+)
+
+
+def unsigned_url(url: str) -> str:
+    """``url`` without the parameters that sign it or bound its validity (see
+    :data:`SIGNATURE_FAMILIES`), the other parameters in their order; ``url`` itself,
+    unchanged, when it is not signed. The cache key of a signed URL: the same object
+    under a fresh signature is the same entry."""
+    base, sep, query = url.partition("?")
+    if not sep or not query:
+        return url
+    pairs = query.split("&")
+    names = [unquote(p.partition("=")[0]).lower() for p in pairs]
+    present = set(names)
+    drop: set[str] = set()
+    for marker, family in SIGNATURE_FAMILIES:
+        if marker in present:
+            drop |= family
+    if not drop:
+        return url
+    kept = [p for p, n in zip(pairs, names, strict=True) if n not in drop]
+    return base + ("?" + "&".join(kept) if kept else "")
+
+
 def _directives(value: str | None) -> dict[str, str | None]:
     """The directives of a Cache-Control value: lower-cased name -> argument or None."""
     out: dict[str, str | None] = {}
@@ -158,15 +257,23 @@ def vary_forbids(vary: str | None, content_encoding: str | None) -> bool:
     """Whether an answer with this ``Vary`` cannot be stored: this cache keys entries by
     URL alone, so an answer chosen by request fields is stored only when any client may
     have it. ``Vary: *`` never; ``Vary: Accept-Encoding`` on an unencoded answer (the
-    proxy asks for identity, which every client accepts) is fine; any other field is
-    not stored (each client is answered by the upstream, uncached)."""
+    proxy asks for identity, which every client accepts) is fine, and so are the CORS
+    fields (:data:`HARMLESS_VARY`); any other field is not stored (each client is
+    answered by the upstream, uncached)."""
     if not vary:
         return False
     fields = {f.strip().lower() for f in vary.split(",") if f.strip()}
     if "*" in fields:
         return True
     encoded = (content_encoding or "identity").strip().lower() != "identity"
-    return bool(fields - {"accept-encoding"}) or (encoded and "accept-encoding" in fields)
+    return bool(fields - HARMLESS_VARY) or (encoded and "accept-encoding" in fields)
+
+
+# request fields whose variation leaves the body alone: CORS (object stores answer
+# ``Vary: Origin`` on every GET; only the Access-Control-* fields follow the Origin)
+HARMLESS_VARY = frozenset(
+    {"accept-encoding", "origin", "access-control-request-method", "access-control-request-headers"}
+)
 
 
 def cache_control_forbids(value: str | None) -> bool:

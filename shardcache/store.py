@@ -553,6 +553,9 @@ class Store:
         self.planner: (
             Callable[[], tuple[Mapping[str, float], Collection[str], Mapping[str, float]]] | None
         ) = None
+        # the URL an entry is keyed and recorded by, from the URL fetched (the proxy drops
+        # signatures here, so a URL signed afresh is the same entry); None: as it is
+        self.key_url: Callable[[str], str] | None = None
         self.min_free_spec = min_free
         self.min_free = 0
         self.size_warning: str | None = None
@@ -793,8 +796,9 @@ class Store:
     # -- naming ------------------------------------------------------------------------
 
     def key(self, url: str) -> str:
-        """The entry key of ``url``: ``shard_uuid`` of the full URL."""
-        return shard_uuid(url)
+        """The entry key of ``url``: ``shard_uuid`` of the full URL (as ``key_url`` makes
+        it, when set)."""
+        return shard_uuid(self.key_url(url) if self.key_url is not None else url)
 
     def entry_path(self, url: str) -> Path:
         """Where the entry of ``url`` lives (whether or not it exists)."""
@@ -1310,7 +1314,16 @@ class Store:
                 conn.execute(
                     "INSERT INTO reservations (name, key, url, pid, host, created, expected, "
                     "bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (name, key, url, os.getpid(), _HOST, time.time(), expected_size, need),
+                    (
+                        name,
+                        key,
+                        self.key_url(url) if self.key_url is not None else url,
+                        os.getpid(),
+                        _HOST,
+                        time.time(),
+                        expected_size,
+                        need,
+                    ),
                 )
         for p in dead:
             self._unlink(p)
@@ -1422,7 +1435,7 @@ class Store:
                     _ENTRY_INSERT,
                     (
                         partial.key,
-                        partial.url,
+                        self.key_url(partial.url) if self.key_url is not None else partial.url,
                         size,
                         etag,
                         last_modified,
@@ -1456,7 +1469,7 @@ class Store:
         self._fsync_dir()
         entry = Entry(
             key=partial.key,
-            url=partial.url,
+            url=self.key_url(partial.url) if self.key_url is not None else partial.url,
             path=target,
             size=size,
             etag=etag,

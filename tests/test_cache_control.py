@@ -35,7 +35,8 @@ def test_vary_rule():
     assert vary_forbids("Accept-Encoding", "gzip")
     assert vary_forbids("*", None)
     assert vary_forbids("Accept-Encoding, User-Agent", None)
-    assert vary_forbids("Origin", None)
+    assert not vary_forbids("Origin, Access-Control-Request-Method", None)  # CORS only
+    assert vary_forbids("Cookie", None)
 
 
 @pytest.fixture

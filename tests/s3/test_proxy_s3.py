@@ -292,3 +292,26 @@ def test_s3_object_stored_with_content_encoding_keeps_it(seaweed, boto, tmp_path
         assert got["ContentEncoding"] == "gzip" and got["Metadata"] == {"color": "blue"}
     finally:
         p.stop()
+
+
+def test_presigned_urls_regenerated_between_epochs_hit(seaweed, boto, tmp_path):
+    """Presigned GET URLs of a real S3 server, generated afresh for each epoch, read
+    through an http upstream: one download, then hits."""
+    p = ProxyProcess(tmp_path / "cache", "--upstream", seaweed.endpoint_url, "--min-free", "0")
+    p.start()
+    try:
+        before = _upstream_bytes(p)
+        for epoch in range(3):
+            signed = boto.generate_presigned_url(
+                "get_object",
+                Params={"Bucket": BUCKET, "Key": "shards/medium.tar"},
+                ExpiresIn=600 + epoch,
+            )
+            path = signed.removeprefix(seaweed.endpoint_url)
+            status, headers, body = _get(p.url + path)
+            assert status == 200 and body == MEDIUM, status
+            assert headers.get("X-Cache") == ("MISS" if epoch == 0 else "HIT"), headers
+            _get(p.url + "/-/stats")
+        assert _upstream_bytes(p) - before == len(MEDIUM)
+    finally:
+        p.stop()
