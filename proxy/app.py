@@ -454,6 +454,7 @@ async def _shard(request: web.Request) -> web.StreamResponse:
         matched = plans.on_request(url, plan_id)
         if matched:
             request[T_PLANS] = matched
+    refreshed = False
     for _ in range(3):
         dl = inflight.get(url)
         cache = "COALESCED"
@@ -470,6 +471,9 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                 or must_revalidate_each_use(entry.meta.cache_control)
             ):
                 entry = await _revalidate(request, url, entry)
+                # changed: the revalidation's own answer is the download this request
+                # follows, a miss of this request's own
+                refreshed = entry is None
             if entry is not None:
                 resp = await _serve_hit(request, entry)
                 if resp is not None:
@@ -511,6 +515,8 @@ async def _shard(request: web.Request) -> web.StreamResponse:
             elif claimed:
                 # started meanwhile by another request of this worker, under the same claim
                 dl.hold_claim()
+        if refreshed and cache == "COALESCED":
+            cache = "MISS"
         if dl.verified:
             cache = "HIT"  # every byte is local already; only the commit is pending
             request[T_READY] = "hit"
@@ -628,15 +634,21 @@ async def _revalidate(request: web.Request, url: str, entry: Entry) -> Entry | N
 async def _ask_upstream(app: web.Application, url: str, entry: Entry) -> Entry | None:
     m, store = app[METRICS], app[STORE]
     try:
-        result = await app[FETCHER].revalidate(url, entry.meta)
+        answer = await app[FETCHER].revalidate(url, entry.meta)
     except ProxyError as exc:
         m.revalidations.labels(result="error").inc()
         log.warning("cannot revalidate %s (%s); serving the cached copy", url, exc)
         return entry
-    m.revalidations.labels(result=result).inc()
-    if result == "fresh":
-        return store.mark_validated(entry)
-    log.info("%s %s at the upstream; dropping the cached copy", url, result)
+    m.revalidations.labels(result=answer.result).inc()
+    if answer.result == "fresh":
+        entry = store.mark_validated(entry)
+        if answer.fields:
+            try:  # what the 304 says replaces what was stored (Cache-Control, Expires...)
+                entry = await asyncio.to_thread(store.update_fields, entry, answer.fields)
+            except CacheError as exc:
+                log.warning("cannot store the new header fields of %s: %s", url, exc)
+        return entry
+    log.info("%s %s at the upstream; dropping the cached copy", url, answer.result)
     store.forget(entry.key)
     try:
         await asyncio.to_thread(store.remove, url)
@@ -644,8 +656,15 @@ async def _ask_upstream(app: web.Application, url: str, entry: Entry) -> Entry |
         err = app[HEALTH].classify("index", exc)
         if err is not None:
             app[HEALTH].failed(err)
-    if result == "gone":
+    if answer.result == "gone":
         raise NotFound(f"upstream {url} is gone; removed from the cache")
+    if answer.body is not None:
+        # the new version is already on its way: it becomes the download (one GET)
+        dl = await _background(app, url, "demand", body=answer.body)
+        if dl is None:
+            answer.body.close()
+        else:
+            dl.release()
     return None
 
 
@@ -1111,11 +1130,17 @@ async def _start_background(request: web.Request, url: str) -> None:
 
 
 async def _background(
-    app: web.Application, url: str, reason: str, *, forwarded: bool = False
+    app: web.Application,
+    url: str,
+    reason: str,
+    *,
+    forwarded: bool = False,
+    body: UpstreamBody | None = None,
 ) -> Download | None:
     """Start downloading ``url`` for the cache, no client following it, once per object
     across the workers of this port; the download (acquired for the caller), or None
-    when it runs already, is cached, or the store takes no writes."""
+    when it runs already, is cached, or the store takes no writes. ``body``: the
+    object's answer, already open (the download starts from it)."""
     inflight = app[INFLIGHT]
     if inflight.running(url) or not app[HEALTH].writable:
         return None
@@ -1132,7 +1157,7 @@ async def _background(
         claimed = True
     if inflight.running(url):
         return None
-    dl = inflight.start(url, claimed=claimed)
+    dl = inflight.start(url, claimed=claimed, body=body)
     dl.reason = reason
     return dl
 

@@ -101,6 +101,7 @@ class Download:
         self.claimed = False  # holds the store's cross-process claim (--workers)
         self.reason = "demand"  # or what started it in the background: plan, prefetch
         self.task: asyncio.Task | None = None
+        self.opening: UpstreamBody | None = None  # an answer already open to start from
         # passthrough: reads bytes [start, end) of this version from the upstream
         self._upstream_range: Callable[[int, int | None], Any] | None = None
 
@@ -450,13 +451,16 @@ class Inflight:
             dl.acquire()
         return dl
 
-    def start(self, url: str, *, claimed: bool = False) -> Download:
+    def start(
+        self, url: str, *, claimed: bool = False, body: UpstreamBody | None = None
+    ) -> Download:
         """Start downloading ``url`` (caller checked it is neither cached nor running);
         the returned download is acquired for the caller. ``claimed``: the caller holds
         the store's cross-process claim on ``url``, released when the download ends."""
         if self.store.key(url) in self._downloads:
             return self.get(url)  # type: ignore[return-value]
         dl = Download(url)
+        dl.opening = body
         if claimed:
             dl.hold_claim()
         dl.acquire()
@@ -484,7 +488,9 @@ class Inflight:
         partial: Partial | None = None
         wfd: int | None = None
         try:
-            body = await self.fetcher.open(dl.url)
+            body, dl.opening = dl.opening, None
+            if body is None:
+                body = await self.fetcher.open(dl.url)
             meta = body.meta
             dl.opened(
                 meta, lambda start, end: self.fetcher.read_range(dl.url, start, end, meta=meta)

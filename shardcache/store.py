@@ -902,6 +902,29 @@ class Store:
             self._mem.put(fresh)
         return fresh
 
+    def update_fields(self, entry: Entry, fields: Sequence[tuple[str, str]]) -> Entry:
+        """Merge header fields the upstream sent with a 304 into the entry's stored ones
+        (RFC 9111 4.3.4: a field of the 304 replaces the stored fields of its name);
+        returns the entry as this process now sees it. The index is written only when
+        more than the Date changed."""
+        names = {k.lower() for k, _ in fields}
+        merged = tuple((k, v) for k, v in entry.fields if k.lower() not in names) + tuple(fields)
+        if merged == entry.fields:
+            return entry
+
+        def significant(fs: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+            return sorted((k.lower(), v) for k, v in fs if k.lower() != "date")
+
+        if significant(merged) != significant(entry.fields):
+            with self._tx() as conn:
+                conn.execute(
+                    "UPDATE entries SET fields = ? WHERE key = ?", (_fields_json(merged), entry.key)
+                )
+        fresh = dataclasses.replace(entry, fields=merged)
+        if self._mem.get(entry.key) is not None:
+            self._mem.put(fresh)
+        return fresh
+
     def pending_access(self) -> int:
         """How many entries have accesses not yet written to the index."""
         return len(self._touched)

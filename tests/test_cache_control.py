@@ -120,3 +120,54 @@ def test_a_header_block_too_large_to_store_is_not_cached(origin, proxy):
         assert r.headers.get("x-amz-meta-k39") == "v" * 1000
         settle(proxy)
     assert "more than the" in proxy.log_text()
+
+
+def test_a_304_updates_the_stored_fields(origin, tmp_path):
+    """RFC 9111 4.3.4: the fields a 304 carries replace the stored ones."""
+    data = os.urandom(16 * KiB)
+    v = Version(data, etag='"u"', last_modified=LM, headers={"Cache-Control": "max-age=60"})
+    origin.add("/u.tar", versions=[v])
+    p = ProxyProcess(
+        tmp_path / "cache", "--upstream", origin.url, "--revalidate", "always", *COMMON
+    ).start()
+    try:
+        assert fetch(p.port, "/u.tar").headers.get("cache-control") == "max-age=60"
+        settle(p)
+        v.headers.update({"Cache-Control": "max-age=120", "X-Policy": "new"})
+        for _ in range(2):
+            r = fetch(p.port, "/u.tar")
+            assert r.status == 200 and r.body == data and r.headers.get("x-cache") == "HIT"
+            assert r.headers.get("cache-control") == "max-age=120", r.headers
+            assert r.headers.get("x-policy") == "new"
+    finally:
+        p.stop(timeout=10)
+
+
+def test_a_changed_object_is_fetched_once_on_revalidation(origin, tmp_path):
+    """The conditional GET of a revalidation answered 200 with a new version: that very
+    answer is streamed to the client and into the new entry (2 GETs in all, not 3)."""
+    old, new = os.urandom(256 * KiB), os.urandom(256 * KiB)
+    sc = origin.add(
+        "/c.tar",
+        versions=[
+            Version(old, etag='"1"', last_modified=LM),
+            Version(new, etag='"2"', last_modified=LM),
+        ],
+    )
+    p = ProxyProcess(
+        tmp_path / "cache", "--upstream", origin.url, "--revalidate", "always", *COMMON
+    ).start()
+    try:
+        assert fetch(p.port, "/c.tar").body == old
+        settle(p)
+        sc.current = 1
+        r = fetch(p.port, "/c.tar")
+        assert r.status == 200 and r.body == new and r.headers.get("x-cache") == "MISS", (
+            r.describe()
+        )
+        settle(p)
+        assert len(origin.log("/c.tar", "GET")) == 2, [g.headers for g in origin.log("/c.tar")]
+        hit = fetch(p.port, "/c.tar")  # revalidated (304), then served from the new entry
+        assert hit.body == new and hit.headers.get("x-cache") == "HIT", hit.describe()
+    finally:
+        p.stop(timeout=10)

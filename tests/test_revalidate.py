@@ -355,16 +355,17 @@ def test_directory_path_keeps_its_slash_and_is_not_cached(origin, proxies):
     assert stats(p.port)["entries"] == 0
 
 
-def test_redirect_is_passed_to_the_client_not_followed(origin, proxies):
-    origin.put("real.tar", os.urandom(100 * KiB))
+def test_redirect_is_followed_and_cached_under_the_url_asked(origin, proxies):
+    """A redirect to the upstream's own host is followed inside the proxy: the client
+    gets the bytes (never the redirect), cached under the URL it asked for."""
+    data = os.urandom(100 * KiB)
+    origin.put("real.tar", data)
     origin.redirects["moved.tar"] = f"{origin.url}/real.tar"
     p = proxies("--upstream", origin.url)
     for i in range(2):
-        st, h, _ = get(p.port, "/moved.tar")
-        assert st == 302
-        location = h.get("Location")
-        assert location is not None and location.endswith("/real.tar"), location
-        assert origin.gets["moved.tar"] == i + 1
-        assert origin.gets["real.tar"] == 0  # the proxy did not follow it
+        st, h, body = get(p.port, "/moved.tar")
+        assert (st, h.get("X-Cache"), body == data) == (200, "HIT" if i else "MISS", True)
+        assert "Location" not in h
+        assert origin.gets["moved.tar"] == 1 and origin.gets["real.tar"] == 1
         settle(p.port)
-    assert stats(p.port)["entries"] == 0
+    assert stats(p.port)["entries"] == 1

@@ -38,9 +38,9 @@ from shardcache.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from shardcache.meta import ObjectMeta, parse_content_range
+from shardcache.meta import ObjectMeta, origin_headers, parse_content_range
 
-__all__ = ["Fetcher", "RangeAnswer"]
+__all__ = ["Fetcher", "RangeAnswer", "Revalidation"]
 
 log = logging.getLogger(__name__)
 
@@ -347,29 +347,46 @@ class Fetcher:
 
     # -- revalidation ----------------------------------------------------------------------
 
-    async def revalidate(self, url: str, meta: ObjectMeta) -> str:
-        """Ask the upstream whether version ``meta`` of ``url`` is still current:
-        ``"fresh"`` (304, or the same validators), ``"changed"`` or ``"gone"`` (404/410).
-        Raises ProxyError when the upstream cannot tell (5xx, unreachable, timeout)."""
+    async def revalidate(self, url: str, meta: ObjectMeta) -> Revalidation:
+        """Ask the upstream whether version ``meta`` of ``url`` is still current, with a
+        conditional GET: ``fresh`` (304, or the same validators; ``fields`` are the
+        answer's end-to-end header fields, which update the stored ones), ``changed``
+        (``body``: the new version's answer, open, to be streamed into the new entry
+        instead of asking again) or ``gone`` (404/410). Raises ProxyError when the
+        upstream cannot tell (5xx, unreachable, timeout)."""
         headers: dict[str, str] = {}
         if meta.etag:
             headers["If-None-Match"] = meta.etag
         if meta.last_modified:
             headers["If-Modified-Since"] = meta.last_modified
         if not headers:
-            return "changed"  # nothing to compare: fetch it again
+            return Revalidation("changed")  # nothing to compare: fetch it again
         try:
-            resp = await self._request("GET", url, headers, (200, 304), stream=False)
+            resp = await self._request("GET", url, headers, (200, 304), stream=True)
         except NotFound:
-            return "gone"
+            return Revalidation("gone")
         except UpstreamRedirect:
-            return "changed"  # the next GET passes the redirect on
-        resp.close()
+            return Revalidation("changed")
         if resp.status == 304:
-            return "fresh"
+            resp.close()
+            return Revalidation("fresh", origin_headers(resp.headers))
         got = ObjectMeta.from_headers(resp.headers, 200)
         if meta.etag:
             same = got.etag == meta.etag
         else:
             same = got.last_modified == meta.last_modified and got.size == meta.size
-        return "fresh" if same else "changed"
+        if same:
+            resp.close()
+            return Revalidation("fresh", got.fields)
+        # the new version in one stream: this answer is a whole 200, not a first part
+        one_stream = replace(got, accept_ranges=False)
+        return Revalidation("changed", got.fields, self._body(url, resp, one_stream))
+
+
+@dataclass
+class Revalidation:
+    """What the upstream said of a cached version (see :meth:`Fetcher.revalidate`)."""
+
+    result: str  # "fresh", "changed" or "gone"
+    fields: tuple[tuple[str, str], ...] = ()
+    body: UpstreamBody | None = None
