@@ -30,6 +30,7 @@ from proxy.plans import PLAN_HEADER, Plans, Scheduler
 from proxy.policy import (
     ByteRange,
     conditional_status,
+    forwarded_fields,
     map_request,
     map_url,
     must_revalidate_each_use,
@@ -510,7 +511,7 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                 claimed = state == "mine"
             dl = inflight.get(url)
             if dl is None:
-                dl = inflight.start(url, claimed=claimed)
+                dl = inflight.start(url, claimed=claimed, headers=forwarded_fields(request.headers))
                 cache = "MISS"
             elif claimed:
                 # started meanwhile by another request of this worker, under the same claim
@@ -703,7 +704,7 @@ async def _serve_bypass(
         if body is None:
             since = time.monotonic()
             try:
-                body = await fetcher.open(url)
+                body = await fetcher.open(url, forwarded_fields(request.headers))
             finally:
                 _waited(request, since)
     try:
@@ -1088,7 +1089,7 @@ async def _serve_cold(request: web.Request, url: str) -> web.StreamResponse | No
     if request.method == "HEAD":
         since = time.monotonic()
         try:
-            meta = await request.app[FETCHER].head(url)
+            meta = await request.app[FETCHER].head(url, forwarded_fields(request.headers))
         except (UpstreamError, ProxyError) as exc:
             if exc.status_hint in (405, 501):
                 return None  # an origin without HEAD: the download answers

@@ -37,7 +37,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from proxy.metrics import ProxyMetrics
@@ -102,6 +102,7 @@ class Download:
         self.reason = "demand"  # or what started it in the background: plan, prefetch
         self.task: asyncio.Task | None = None
         self.opening: UpstreamBody | None = None  # an answer already open to start from
+        self.headers: dict[str, str] = {}  # the first client's end-to-end request fields
         # passthrough: reads bytes [start, end) of this version from the upstream
         self._upstream_range: Callable[[int, int | None], Any] | None = None
 
@@ -452,7 +453,12 @@ class Inflight:
         return dl
 
     def start(
-        self, url: str, *, claimed: bool = False, body: UpstreamBody | None = None
+        self,
+        url: str,
+        *,
+        claimed: bool = False,
+        body: UpstreamBody | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Download:
         """Start downloading ``url`` (caller checked it is neither cached nor running);
         the returned download is acquired for the caller. ``claimed``: the caller holds
@@ -461,6 +467,7 @@ class Inflight:
             return self.get(url)  # type: ignore[return-value]
         dl = Download(url)
         dl.opening = body
+        dl.headers = dict(headers or {})
         if claimed:
             dl.hold_claim()
         dl.acquire()
@@ -490,7 +497,7 @@ class Inflight:
         try:
             body, dl.opening = dl.opening, None
             if body is None:
-                body = await self.fetcher.open(dl.url)
+                body = await self.fetcher.open(dl.url, dl.headers)
             meta = body.meta
             dl.opened(
                 meta, lambda start, end: self.fetcher.read_range(dl.url, start, end, meta=meta)

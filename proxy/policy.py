@@ -234,6 +234,53 @@ def unsigned_url(url: str) -> str:
     return base + ("?" + "&".join(kept) if kept else "")
 
 
+# Request fields the proxy does not pass to an upstream: hop-by-hop fields, those the
+# cache manages itself (ranges and conditionals: a shared download must be the whole
+# object), the framing of this connection, the compression it asks for (identity), its
+# own, and credentials (a client's Authorization or Cookie must not fetch an object that
+# other clients are then served).
+NOT_FORWARDED = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authorization",
+        "proxy-authenticate",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "expect",
+        "range",
+        "if-range",
+        "if-match",
+        "if-none-match",
+        "if-modified-since",
+        "if-unmodified-since",
+        "accept-encoding",
+        "authorization",
+        "cookie",
+        "x-amz-security-token",
+    }
+)
+
+
+def forwarded_fields(headers: Mapping[str, str]) -> dict[str, str]:
+    """The end-to-end fields of a client's request that go on to the upstream with a
+    miss (see :data:`NOT_FORWARDED`; also those its ``Connection`` names, the proxy's
+    own ``X-Shardcache-*`` fields and the S3 front's SigV4 fields)."""
+    named = {t.strip().lower() for t in (headers.get("Connection") or "").split(",")}
+    out: dict[str, str] = {}
+    for k, v in headers.items():
+        low = k.lower()
+        if low in NOT_FORWARDED or low in named or low.startswith(("x-shardcache-", "x-amz-")):
+            continue
+        out[k] = f"{out[k]}, {v}" if k in out else v
+    return out
+
+
 def _directives(value: str | None) -> dict[str, str | None]:
     """The directives of a Cache-Control value: lower-cased name -> argument or None."""
     out: dict[str, str | None] = {}

@@ -171,3 +171,29 @@ def test_a_changed_object_is_fetched_once_on_revalidation(origin, tmp_path):
         assert hit.body == new and hit.headers.get("x-cache") == "HIT", hit.describe()
     finally:
         p.stop(timeout=10)
+
+
+def test_request_fields_reach_the_upstream_on_a_miss(origin, proxy):
+    """End-to-end request fields go on with a miss; hop-by-hop fields, the cache's own
+    (ranges, conditionals) and the client's credentials do not."""
+    data = os.urandom(64 * KiB)
+    origin.add("/f.tar", versions=[Version(data, etag='"f"', last_modified=LM)])
+    sent = {
+        "X-Trace-Id": "trace-42",
+        "User-Agent": "mytrainer/1.0",
+        "Accept": "application/x-tar",
+        "Accept-Language": "de",
+        "Authorization": "Bearer client-secret",
+        "Cookie": "session=client",
+        "Connection": "X-Hop",
+        "X-Hop": "1",
+        "Range": "bytes=0-99",
+    }
+    r = fetch(proxy.port, "/f.tar", headers=sent)
+    assert r.status == 206 and r.body == data[:100], r.describe()
+    got = origin.log("/f.tar", "GET")[0]
+    for name in ("x-trace-id", "user-agent", "accept", "accept-language"):
+        assert got.header(name) == sent[next(k for k in sent if k.lower() == name)], got.headers
+    for name in ("authorization", "cookie", "x-hop", "range"):
+        assert got.header(name) is None, (name, got.headers)
+    assert got.header("accept-encoding") == "identity"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -180,8 +180,10 @@ class Fetcher:
 
     # -- whole objects ---------------------------------------------------------------------
 
-    async def open(self, url: str) -> UpstreamBody:
+    async def open(self, url: str, headers: Mapping[str, str] | None = None) -> UpstreamBody:
         """Request ``url`` and return once its headers are in. Raises ProxyError.
+        ``headers``: the end-to-end fields of the client that asked (see
+        :func:`proxy.policy.forwarded_fields`), sent with the first request.
 
         Fetched in parts (``s3://``, and ``http(s)://`` with ``http_parts``), the first
         request asks for part 0 only (``Range: bytes=0-…``): a plain GET closed after its
@@ -190,18 +192,21 @@ class Fetcher:
         pinned to; a whole-object digest is not part of a 206, so none is checked then.
         """
         scheme = urlsplit(url).scheme.lower()
+        extra = dict(headers or {})
         if self._parts_for(scheme):
-            body = await self._open_first_part(url)
+            body = await self._open_first_part(url, extra)
             if body is not None:
                 return body
-        resp = await self._request("GET", url, {}, (200,), stream=True)
+        resp = await self._request("GET", url, extra, (200,), stream=True)
         return self._body(url, resp, ObjectMeta.from_headers(resp.headers, 200))
 
-    async def _open_first_part(self, url: str) -> UpstreamBody | None:
+    async def _open_first_part(self, url: str, extra: dict[str, str]) -> UpstreamBody | None:
         """``url`` opened with a ranged GET of its first part, or None when a plain GET
         must follow (an empty object, or an answer the parts cannot build on)."""
         header = f"bytes=0-{self.part_size - 1}"
-        resp = await self._request("GET", url, {"Range": header}, (200, 206, 416), stream=True)
+        resp = await self._request(
+            "GET", url, {**extra, "Range": header}, (200, 206, 416), stream=True
+        )
         if resp.status == 200:
             # Range ignored (whatever Accept-Ranges claims): the whole object in one
             # stream, no part asked of an origin that answers every range with all of it
@@ -255,9 +260,9 @@ class Fetcher:
 
         return UpstreamBody(url, meta, whole, resp.close)
 
-    async def head(self, url: str) -> ObjectMeta:
+    async def head(self, url: str, headers: Mapping[str, str] | None = None) -> ObjectMeta:
         """The object's size, validators and type from a HEAD, without its body."""
-        resp = await self._request("HEAD", url, {}, (200,), stream=False)
+        resp = await self._request("HEAD", url, dict(headers or {}), (200,), stream=False)
         resp.close()
         return ObjectMeta.from_headers(resp.headers, 200)
 
