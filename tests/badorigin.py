@@ -126,6 +126,7 @@ class Scenario:
     rate: float | None = None
     first_byte_delay: float = 0.0
     gets: int = 0  # GETs seen so far (the ordinal of the last one)
+    interim: tuple[int, ...] = ()  # 1xx answers (103 Early Hints...) sent before each answer
 
     @property
     def version(self) -> Version:
@@ -395,6 +396,8 @@ class BadOrigin:
             time.sleep(sc.first_byte_delay)
         if sc is None:
             return self._error(out, rec, 404, None, "no such object")
+        for code in sc.interim:
+            out.send(f"HTTP/1.1 {code} Interim\r\nLink: </style.css>; rel=preload\r\n\r\n".encode())
         if method not in ("GET", "HEAD") or (method == "HEAD" and not sc.head_allowed):
             return self._error(out, rec, 405, None, f"method {method} not allowed", allow=True)
         if sc.status is not None:

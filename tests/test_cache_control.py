@@ -197,3 +197,23 @@ def test_request_fields_reach_the_upstream_on_a_miss(origin, proxy):
     for name in ("authorization", "cookie", "x-hop", "range"):
         assert got.header(name) is None, (name, got.headers)
     assert got.header("accept-encoding") == "identity"
+
+
+@pytest.mark.parametrize("transport", ["threads", "aiohttp"])
+def test_interim_answers_are_skipped(origin, tmp_path, transport):
+    """103 Early Hints and 102 Processing before the answer: a client skips them (RFC
+    9110 15.2), and so does the proxy's upstream client, on both transports."""
+    data = os.urandom(32 * KiB)
+    origin.add("/i.tar", versions=[Version(data, etag='"i"', last_modified=LM)], interim=(102, 103))
+    p = ProxyProcess(
+        tmp_path / "cache", "--upstream", origin.url, "--http-transport", transport, *COMMON
+    ).start()
+    try:
+        for expect in ("MISS", "HIT"):
+            r = fetch(p.port, "/i.tar")
+            assert r.status == 200 and r.body == data, r.describe()
+            assert r.headers.get("x-cache") == expect
+            settle(p)
+        assert fetch(p.port, "/i.tar", method="HEAD").status == 200
+    finally:
+        p.stop(timeout=10)

@@ -43,6 +43,19 @@ def threadable(url: str) -> bool:
     return u.scheme.lower() in ("http", "https") and not (u.username or u.password)
 
 
+class _FinalResponse(http.client.HTTPResponse):
+    """An ``http.client`` response that skips every interim 1xx answer (103 Early Hints,
+    102 Processing), as HTTP requires of a client; http.client itself skips only 100."""
+
+    def _read_status(self) -> tuple[str, int, str]:
+        while True:
+            version, status, reason = super()._read_status()  # type: ignore[misc]
+            if 100 < status < 200 and status != 101:
+                http.client._read_headers(self.fp)  # type: ignore[attr-defined]
+                continue
+            return version, status, reason
+
+
 class _SinkError(Exception):
     """Writing received bytes to the partial file failed (the OSError is the cause)."""
 
@@ -339,6 +352,7 @@ class ThreadTransport:
             )
         else:
             conn = http.client.HTTPConnection(host, u.port, timeout=self.connect_timeout)
+        conn.response_class = _FinalResponse
         try:
             try:
                 conn.connect()
