@@ -128,6 +128,8 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
             connect_timeout=settings.connect_timeout,
             read_timeout=settings.read_timeout,
             max_connections=max(64, 2 * settings.parallel),
+            retries=settings.retries,
+            backoff=settings.retry_backoff,
         )
     front = S3Front(
         buckets={u.name: u.base for u in settings.upstreams if u.name},

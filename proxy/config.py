@@ -27,6 +27,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from proxy.policy import Upstream, parse_min_free, parse_revalidate, parse_size
+from proxy.upstream.options import DEFAULT_OPTIONS as UPSTREAM
+from proxy.upstream.s3url import parse_s3_url
 from shardcache.errors import S3_EXTRA_HINT, BadRequest, ConfigError
 from shardcache.store import (
     DEFAULT_MIN_FREE_CAP,
@@ -249,9 +251,6 @@ def _have(module: str) -> bool:
 
 
 def _parse_upstream(value: str) -> Upstream:
-    # imported here: proxy.upstream reads DEFAULTS from this module
-    from proxy.upstream.s3url import parse_s3_url
-
     name: str | None = None
     url = value.strip()
     head, eq, tail = url.partition("=")
@@ -375,9 +374,27 @@ SETTINGS: tuple[Setting, ...] = (
         _float,
         minimum=0.05,
     ),
-    Setting("connect_timeout", 10.0, "upstream connect timeout, seconds", _float, minimum=0.001),
-    Setting("read_timeout", 60.0, "upstream idle read timeout, seconds", _float, minimum=0.001),
-    Setting("retries", 3, "resume attempts after an upstream fails mid-body", _int, minimum=0),
+    Setting(
+        "connect_timeout",
+        UPSTREAM.connect_timeout,
+        "upstream connect timeout, seconds",
+        _float,
+        minimum=0.001,
+    ),
+    Setting(
+        "read_timeout",
+        UPSTREAM.read_timeout,
+        "upstream idle read timeout, seconds",
+        _float,
+        minimum=0.001,
+    ),
+    Setting(
+        "retries",
+        UPSTREAM.retries,
+        "resume attempts after an upstream fails mid-body",
+        _int,
+        minimum=0,
+    ),
     Setting("grace_period", 30.0, "seconds to let responses finish on SIGTERM", _float, minimum=0),
     Setting("max_path_length", 1024, "longest accepted request path", _int, minimum=16),
     Setting(
@@ -411,22 +428,22 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "part_size",
-        8 * 1024 * 1024,
+        UPSTREAM.part_size,
         "ranged part size for large objects, e.g. 8MiB; at least 64KiB, 0 disables",
         _part_size,
         show=_show_size,
     ),
-    Setting("parallel", 8, "concurrent ranged parts per object", _int, minimum=1),
+    Setting("parallel", UPSTREAM.parallel, "concurrent ranged parts per object", _int, minimum=1),
     Setting(
         "http_parts",
-        False,
+        UPSTREAM.http_parts,
         "on: also fetch large http(s) shards in parallel ranged parts (s3:// always are); "
         "for origins that limit each connection",
         _on_off,
     ),
     Setting(
         "http_transport",
-        "threads",
+        UPSTREAM.http_transport,
         "how one http(s) stream is received: threads receives on blocking sockets in "
         "worker threads and splices into the file, aiohttp on the event loop",
         choices=("threads", "aiohttp"),
@@ -454,9 +471,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("tls_key", None, "PEM private key of --tls-cert", _readable_file),
     # set by code only (tests, benchmarks)
     Setting(
-        "retry_backoff", 0.5, "first pause between upstream retries, seconds", _float, flag=None
+        "retry_backoff",
+        UPSTREAM.retry_backoff,
+        "first pause between upstream retries, seconds",
+        _float,
+        flag=None,
     ),
-    Setting("chunk_size", 1 << 20, "bytes read from an upstream at a time", _int, flag=None),
+    Setting(
+        "chunk_size", UPSTREAM.chunk_size, "bytes read from an upstream at a time", _int, flag=None
+    ),
 )
 
 CONFIG_FILE = Setting(
