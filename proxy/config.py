@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import re
+import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ __all__ = [
     "add_serve_arguments",
     "parse_settings",
     "settings_from_args",
+    "tls_context",
 ]
 
 ENV_PREFIX = "SHARDCACHE_"
@@ -633,22 +635,33 @@ def _given(
     return None
 
 
+def tls_context(settings: Settings) -> ssl.SSLContext | None:
+    """The server-side TLS context of ``--tls-cert``/``--tls-key`` (TLS 1.2 or later), or
+    None to serve plain HTTP. ConfigError naming ``--tls-cert`` when the pair cannot be
+    loaded (a file replaced or unreadable since the settings were checked)."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        # never ask a terminal for a passphrase: an encrypted key is an error
+        ctx.load_cert_chain(settings.tls_cert, settings.tls_key, password=lambda: b"")
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(
+            "--tls-cert",
+            f"cannot load the certificate {settings.tls_cert} with the key {settings.tls_key} "
+            f"(PEM, the key unencrypted and matching the certificate): {exc}",
+        ) from None
+    return ctx
+
+
 def _check_together(s: Settings) -> None:
     """The checks that involve more than one setting."""
     if not s.upstreams and not s.allow_hosts:
         raise ConfigError("--upstream", "at least one upstream is required (or --allow-host)")
     if (s.tls_cert is None) != (s.tls_key is None):
         raise ConfigError("--tls-key", "give both --tls-cert and --tls-key, or neither")
-    if s.tls_cert is not None:
-        import ssl
-
-        try:
-            # never ask a terminal for a passphrase: an encrypted key is an error
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-                s.tls_cert, s.tls_key, password=lambda: b""
-            )
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigError("--tls-cert", f"cannot load the certificate and key: {exc}") from None
+    tls_context(s)  # loads the pair once, to fail here rather than when listening
     if s.s3_front_access_key and not s.s3_front_secret_key:
         raise ConfigError("--s3-front-secret-key", "required with --s3-front-access-key")
     if s.s3_front_secret_key and not s.s3_front_access_key:
