@@ -82,20 +82,13 @@ PLANS = web.AppKey("plans", Plans)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 S3_CLIENT = web.AppKey("s3_client", object)
 
-_RequestKey = getattr(web, "RequestKey", None)  # aiohttp >= 3.12
-
-
-def _rkey(name: str, t: type) -> Any:
-    return _RequestKey(name, t) if _RequestKey is not None else f"shardcache.{name}"
-
-
-T_START = _rkey("start", float)
-T_BYTES = _rkey("bytes", int)
-T_RESP = _rkey("resp", web.StreamResponse)
-T_ABORTED = _rkey("aborted", bool)
-T_WAIT = _rkey("wait", float)  # seconds this request waited for bytes not yet downloaded
-T_PLANS = _rkey("plans", list)  # the read plans this request advanced
-T_READY = _rkey("ready", str)  # what a planned request found: hit, downloading, miss
+T_START = web.RequestKey("start", float)
+T_BYTES = web.RequestKey("bytes", int)
+T_RESP = web.RequestKey("resp", web.StreamResponse)
+T_ABORTED = web.RequestKey("aborted", bool)
+T_WAIT = web.RequestKey("wait", float)  # seconds this request waited for bytes not yet downloaded
+T_PLANS = web.RequestKey("plans", list)  # the read plans this request advanced
+T_READY = web.RequestKey("ready", str)  # what a planned request found: hit, downloading, miss
 
 ADMIN_ROUTES = {
     "/metrics": "GET, HEAD",
