@@ -36,6 +36,7 @@ from proxy.policy import (
     range_applies,
     should_admit,
 )
+from proxy.policy import range_start as _range_start  # where a client's range begins
 from proxy.s3front import S3_SERVICE_ROUTE, S3Front
 from proxy.sendfile import send_file
 from proxy.storehealth import StoreHealth
@@ -1025,18 +1026,6 @@ _CONDITIONALS = (
     "If-Modified-Since",
     "If-Unmodified-Since",
 )
-
-
-def _range_start(header: str) -> int | None:
-    """Where a single ``bytes=`` range starts (-1 for a suffix range); None when the
-    header is not one such range (several ranges, another unit: the download serves it)."""
-    unit, sep, spec = header.strip().partition("=")
-    if not sep or unit.strip().lower() != "bytes" or "," in spec:
-        return None
-    first = spec.partition("-")[0].strip()
-    if not first:
-        return -1
-    return int(first) if first.isdigit() else None
 
 
 async def _serve_cold(request: web.Request, url: str) -> web.StreamResponse | None:
