@@ -46,13 +46,13 @@ from proxy.policy import parse_size
 from proxy.upstream.resume import backoff_delay
 from shardcache.errors import BadRequest, NotFound
 from shardcache.eviction import next_uses
+from shardcache.plans import PLAN_HEADER  # a data request naming the plan it reads for
 from shardcache.store import Store
 
 __all__ = ["Plan", "Plans", "Scheduler", "parse_lookahead", "PLAN_HEADER"]
 
 log = logging.getLogger(__name__)
 
-PLAN_HEADER = "X-Shardcache-Plan"  # a data request naming the plan it reads for
 MAX_NAME = 200
 MAX_LOOKAHEAD = 1024  # shards a plan may keep ahead, at most (each pass walks them)
 PLANNER_EVERY = 0.5  # seconds a snapshot of next uses serves while positions move
