@@ -24,11 +24,20 @@ from typing import Any
 import sqlite_utils
 
 from dbcache._codec import RowDecodeError, get_codec
-from shardcache.errors import DBCacheError
+from shardcache.errors import ShardcacheError
 
 __all__ = ["DBCache", "DBCacheError", "get_uuid", "FORMAT_NAME", "FORMAT_VERSION"]
 
 log = logging.getLogger(__name__)
+
+
+class DBCacheError(ShardcacheError):
+    """A DBCache file cannot be used. The message names the file and the problem.
+
+    Defined here, not in the library's error tree: dbcache builds on the library, and the
+    library names it only among its lazily loaded public names (``shardcache.DBCacheError``).
+    """
+
 
 FORMAT_NAME = "shardcache.dbcache"
 # 2: a sample is the columns (url, key, fields, data, payload), see dbcache._codec

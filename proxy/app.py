@@ -40,6 +40,7 @@ from proxy.policy import (
     should_admit,
     unsigned_url,
 )
+from proxy.policy import range_start as _range_start  # where a client's range begins
 from proxy.s3front import S3_SERVICE_ROUTE, S3Front
 from proxy.sendfile import send_file
 from proxy.storehealth import StoreHealth
@@ -87,20 +88,13 @@ PLANS = web.AppKey("plans", Plans)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 S3_CLIENT = web.AppKey("s3_client", object)
 
-_RequestKey = getattr(web, "RequestKey", None)  # aiohttp >= 3.12
-
-
-def _rkey(name: str, t: type) -> Any:
-    return _RequestKey(name, t) if _RequestKey is not None else f"shardcache.{name}"
-
-
-T_START = _rkey("start", float)
-T_BYTES = _rkey("bytes", int)
-T_RESP = _rkey("resp", web.StreamResponse)
-T_ABORTED = _rkey("aborted", bool)
-T_WAIT = _rkey("wait", float)  # seconds this request waited for bytes not yet downloaded
-T_PLANS = _rkey("plans", list)  # the read plans this request advanced
-T_READY = _rkey("ready", str)  # what a planned request found: hit, downloading, miss
+T_START = web.RequestKey("start", float)
+T_BYTES = web.RequestKey("bytes", int)
+T_RESP = web.RequestKey("resp", web.StreamResponse)
+T_ABORTED = web.RequestKey("aborted", bool)
+T_WAIT = web.RequestKey("wait", float)  # seconds this request waited for bytes not yet downloaded
+T_PLANS = web.RequestKey("plans", list)  # the read plans this request advanced
+T_READY = web.RequestKey("ready", str)  # what a planned request found: hit, downloading, miss
 
 ADMIN_ROUTES = {
     "/metrics": "GET, HEAD",
@@ -133,6 +127,8 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
             connect_timeout=settings.connect_timeout,
             read_timeout=settings.read_timeout,
             max_connections=max(64, 2 * settings.parallel),
+            retries=settings.retries,
+            backoff=settings.retry_backoff,
         )
     front = S3Front(
         buckets={u.name: u.base for u in settings.upstreams if u.name},
@@ -1066,18 +1062,6 @@ _CONDITIONALS = (
     "If-Modified-Since",
     "If-Unmodified-Since",
 )
-
-
-def _range_start(header: str) -> int | None:
-    """Where a single ``bytes=`` range starts (-1 for a suffix range); None when the
-    header is not one such range (several ranges, another unit: the download serves it)."""
-    unit, sep, spec = header.strip().partition("=")
-    if not sep or unit.strip().lower() != "bytes" or "," in spec:
-        return None
-    first = spec.partition("-")[0].strip()
-    if not first:
-        return -1
-    return int(first) if first.isdigit() else None
 
 
 async def _serve_cold(request: web.Request, url: str) -> web.StreamResponse | None:

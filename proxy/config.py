@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import re
+import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ from proxy.policy import (
     parse_revalidate,
     parse_size,
 )
+from proxy.upstream.options import DEFAULT_OPTIONS as UPSTREAM
+from proxy.upstream.s3url import parse_s3_url
 from shardcache.errors import S3_EXTRA_HINT, BadRequest, ConfigError
 from shardcache.store import (
     DEFAULT_MIN_FREE_CAP,
@@ -53,6 +56,7 @@ __all__ = [
     "add_serve_arguments",
     "parse_settings",
     "settings_from_args",
+    "tls_context",
 ]
 
 ENV_PREFIX = "SHARDCACHE_"
@@ -256,9 +260,6 @@ def _have(module: str) -> bool:
 
 
 def _parse_upstream(value: str) -> Upstream:
-    # imported here: proxy.upstream reads DEFAULTS from this module
-    from proxy.upstream.s3url import parse_s3_url
-
     name: str | None = None
     url = value.strip()
     head, eq, tail = url.partition("=")
@@ -459,9 +460,27 @@ SETTINGS: tuple[Setting, ...] = (
         _float,
         minimum=0.05,
     ),
-    Setting("connect_timeout", 10.0, "upstream connect timeout, seconds", _float, minimum=0.001),
-    Setting("read_timeout", 60.0, "upstream idle read timeout, seconds", _float, minimum=0.001),
-    Setting("retries", 3, "resume attempts after an upstream fails mid-body", _int, minimum=0),
+    Setting(
+        "connect_timeout",
+        UPSTREAM.connect_timeout,
+        "upstream connect timeout, seconds",
+        _float,
+        minimum=0.001,
+    ),
+    Setting(
+        "read_timeout",
+        UPSTREAM.read_timeout,
+        "upstream idle read timeout, seconds",
+        _float,
+        minimum=0.001,
+    ),
+    Setting(
+        "retries",
+        UPSTREAM.retries,
+        "resume attempts after an upstream fails mid-body",
+        _int,
+        minimum=0,
+    ),
     Setting("grace_period", 30.0, "seconds to let responses finish on SIGTERM", _float, minimum=0),
     Setting(
         "max_path_length",
@@ -502,22 +521,22 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "part_size",
-        8 * 1024 * 1024,
+        UPSTREAM.part_size,
         "ranged part size for large objects, e.g. 8MiB; at least 64KiB, 0 disables",
         _part_size,
         show=_show_size,
     ),
-    Setting("parallel", 8, "concurrent ranged parts per object", _int, minimum=1),
+    Setting("parallel", UPSTREAM.parallel, "concurrent ranged parts per object", _int, minimum=1),
     Setting(
         "http_parts",
-        False,
+        UPSTREAM.http_parts,
         "on: also fetch large http(s) shards in parallel ranged parts (s3:// always are); "
         "for origins that limit each connection",
         _on_off,
     ),
     Setting(
         "http_transport",
-        "threads",
+        UPSTREAM.http_transport,
         "how one http(s) stream is received: threads receives on blocking sockets in "
         "worker threads and splices into the file, aiohttp on the event loop",
         choices=("threads", "aiohttp"),
@@ -545,9 +564,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("tls_key", None, "PEM private key of --tls-cert", _readable_file),
     # set by code only (tests, benchmarks)
     Setting(
-        "retry_backoff", 0.5, "first pause between upstream retries, seconds", _float, flag=None
+        "retry_backoff",
+        UPSTREAM.retry_backoff,
+        "first pause between upstream retries, seconds",
+        _float,
+        flag=None,
     ),
-    Setting("chunk_size", 1 << 20, "bytes read from an upstream at a time", _int, flag=None),
+    Setting(
+        "chunk_size", UPSTREAM.chunk_size, "bytes read from an upstream at a time", _int, flag=None
+    ),
 )
 
 CONFIG_FILE = Setting(
@@ -706,22 +731,33 @@ def _given(
     return None
 
 
+def tls_context(settings: Settings) -> ssl.SSLContext | None:
+    """The server-side TLS context of ``--tls-cert``/``--tls-key`` (TLS 1.2 or later), or
+    None to serve plain HTTP. ConfigError naming ``--tls-cert`` when the pair cannot be
+    loaded (a file replaced or unreadable since the settings were checked)."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        # never ask a terminal for a passphrase: an encrypted key is an error
+        ctx.load_cert_chain(settings.tls_cert, settings.tls_key, password=lambda: b"")
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(
+            "--tls-cert",
+            f"cannot load the certificate {settings.tls_cert} with the key {settings.tls_key} "
+            f"(PEM, the key unencrypted and matching the certificate): {exc}",
+        ) from None
+    return ctx
+
+
 def _check_together(s: Settings) -> None:
     """The checks that involve more than one setting."""
     if not s.upstreams and not s.allow_hosts:
         raise ConfigError("--upstream", "at least one upstream is required (or --allow-host)")
     if (s.tls_cert is None) != (s.tls_key is None):
         raise ConfigError("--tls-key", "give both --tls-cert and --tls-key, or neither")
-    if s.tls_cert is not None:
-        import ssl
-
-        try:
-            # never ask a terminal for a passphrase: an encrypted key is an error
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-                s.tls_cert, s.tls_key, password=lambda: b""
-            )
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigError("--tls-cert", f"cannot load the certificate and key: {exc}") from None
+    tls_context(s)  # loads the pair once, to fail here rather than when listening
     for flag, creds in (
         ("--upstream-auth", s.upstream_auth),
         ("--upstream-header", s.upstream_headers),

@@ -43,15 +43,16 @@ from typing import Any
 
 from proxy.metrics import ProxyMetrics, multiprocess
 from proxy.policy import parse_size
+from proxy.upstream.resume import backoff_delay
 from shardcache.errors import BadRequest, NotFound
 from shardcache.eviction import next_uses
+from shardcache.plans import PLAN_HEADER  # a data request naming the plan it reads for
 from shardcache.store import Store
 
 __all__ = ["Plan", "Plans", "Scheduler", "parse_lookahead", "PLAN_HEADER"]
 
 log = logging.getLogger(__name__)
 
-PLAN_HEADER = "X-Shardcache-Plan"  # a data request naming the plan it reads for
 MAX_NAME = 200
 MAX_LOOKAHEAD = 1024  # shards a plan may keep ahead, at most (each pass walks them)
 PLANNER_EVERY = 0.5  # seconds a snapshot of next uses serves while positions move
@@ -860,7 +861,7 @@ class Scheduler:
             ok = dl.state is State.DONE
             if not ok:
                 _, n = self._backoff.get(url, (0.0, 0))
-                delay = min(RETRY_MAX, RETRY_FIRST * 2**n)
+                delay = backoff_delay(n + 1, RETRY_FIRST, cap=RETRY_MAX)  # the upstream's, longer
                 self._backoff[url] = (time.monotonic() + delay, n + 1)
                 if len(self._backoff) > 100_000:
                     self._backoff.clear()

@@ -28,6 +28,7 @@ from datetime import datetime, timezone
 from urllib.parse import quote, unquote, urlsplit
 
 from shardcache.errors import BadRequest, Forbidden, NotFound, RangeNotSatisfiable
+from shardcache.meta import is_strong_etag
 
 __all__ = [
     "parse_min_free",
@@ -39,6 +40,7 @@ __all__ = [
     "parse_size",
     "format_size",
     "parse_range",
+    "range_start",
     "range_applies",
     "conditional_status",
     "map_request",
@@ -373,6 +375,28 @@ class ByteRange:
 _SPEC_RE = re.compile(r"^\s*([0-9]*)\s*-\s*([0-9]*)\s*$")
 
 
+def _single_byte_range(header: str) -> str | None:
+    """The spec (``0-99``, ``-5``) of a ``Range`` header that asks one byte range; None
+    for another unit or several ranges (both served as the whole object)."""
+    unit, sep, spec = header.strip().partition("=")
+    if not sep or unit.strip().lower() != "bytes" or "," in spec:
+        return None
+    return spec
+
+
+def range_start(header: str) -> int | None:
+    """Where the one byte range of a ``Range`` header starts, before the object's size is
+    known: -1 for a suffix range, None when the header is not one byte range (several, or
+    another unit) or its start is not a number."""
+    spec = _single_byte_range(header)
+    if spec is None:
+        return None
+    first = spec.partition("-")[0].strip()
+    if not first:
+        return -1
+    return int(first) if first.isdigit() else None
+
+
 def parse_range(header: str | None, size: int) -> ByteRange | None:
     """Decide what a ``Range`` header asks of an object of ``size`` bytes.
 
@@ -382,10 +406,8 @@ def parse_range(header: str | None, size: int) -> ByteRange | None:
     """
     if header is None:
         return None
-    unit, sep, spec = header.strip().partition("=")
-    if not sep or unit.strip().lower() != "bytes":
-        return None
-    if "," in spec:
+    spec = _single_byte_range(header)
+    if spec is None:
         return None
     m = _SPEC_RE.match(spec)
     if not m or (not m.group(1) and not m.group(2)):
@@ -431,9 +453,7 @@ def _etags(value: str) -> list[tuple[bool, str]]:
 
 
 def _strong(etag: str | None) -> str | None:
-    if etag is None or etag.startswith("W/"):
-        return None
-    return etag
+    return etag if is_strong_etag(etag) else None
 
 
 def _weak_value(etag: str) -> str:

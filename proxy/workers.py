@@ -38,7 +38,8 @@ import tempfile
 import time
 import traceback
 
-from proxy.config import Settings
+from proxy.config import Settings, tls_context
+from proxy.server import run_server
 from shardcache.errors import ConfigError, StoreUnusable
 from shardcache.store import Store, disk_full
 
@@ -53,8 +54,6 @@ FAST_DEATH_SECONDS = 5.0
 
 def _preflight(settings: Settings) -> None:
     """The checks a single process makes before listening, once, in the parent."""
-    from proxy.cli import tls_context
-
     tls_context(settings)  # each worker loads its own; a bad pair stops all, here
     store = Store(
         settings.cache_dir, settings.cache_size, settings.eviction, min_free=settings.min_free
@@ -111,8 +110,6 @@ def _temp_parent() -> str:
 def _run_worker(settings: Settings, index: int, ready_fd: int) -> None:
     """In the child: serve until SIGTERM; never returns."""
     import asyncio
-
-    from proxy.cli import run_server
 
     code = 0
     for sig in (signal.SIGTERM, signal.SIGINT):

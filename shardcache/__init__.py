@@ -14,7 +14,6 @@ from shardcache.errors import (
     BadRequest,
     CacheError,
     ConfigError,
-    DBCacheError,
     Forbidden,
     GopenError,
     GopenException,
@@ -81,6 +80,7 @@ _LAZY: dict[str, str] = {
     "PlanError": "shardcache.plans",
     # the SQLite sample store
     "DBCache": "dbcache",
+    "DBCacheError": "dbcache",
     "get_uuid": "dbcache",
 }
 
@@ -95,7 +95,6 @@ __all__ = [
     "CacheError",
     "IncompleteDownloadError",
     "NoRoomError",
-    "DBCacheError",
     "ConfigError",
     "ProxyError",
     "BadRequest",
@@ -109,7 +108,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from dbcache import DBCache, get_uuid  # noqa: F401
+    from dbcache import DBCache, DBCacheError, get_uuid  # noqa: F401
     from shardcache.cachestream import CacheStream, cache_shards, open_cached  # noqa: F401
     from shardcache.dataset import ShardDataset  # noqa: F401
     from shardcache.gopen import gopen  # noqa: F401

@@ -13,7 +13,7 @@ boundary (``raise GopenError(...) from exc``) so callers catch one family::
     │   ├── NoRoomError                                   -- a download no longer fits cache_size
     │   ├── StoreWriteError                               -- the disk or index refused a write
     │   └── StoreUnusable                                 -- the store cannot be opened for writing
-    ├── DBCacheError                                      -- a DBCache file cannot be used
+    ├── dbcache.DBCacheError                              -- a DBCache file cannot be used
     ├── ConfigError (also ValueError)                     -- a bad setting; names the flag
     └── ProxyError                                        -- carries the HTTP status to answer with
         ├── BadRequest (400) / Forbidden (403) / NotFound (404)
@@ -44,7 +44,6 @@ __all__ = [
     "NoRoomError",
     "StoreWriteError",
     "StoreUnusable",
-    "DBCacheError",
     "ConfigError",
     "ProxyError",
     "BadRequest",
@@ -173,10 +172,6 @@ class StoreWriteError(CacheError):
 class StoreUnusable(CacheError):
     """The cache directory or its index cannot be used at all (not creatable, not
     writable, from a newer format). The message names the path, the uid and what to do."""
-
-
-class DBCacheError(ShardcacheError):
-    """A DBCache file cannot be used. The message names the file and the problem."""
 
 
 class ConfigError(ShardcacheError, ValueError):

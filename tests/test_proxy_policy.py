@@ -19,6 +19,7 @@ from proxy.policy import (
     parse_range,
     parse_size,
     range_applies,
+    range_start,
     should_admit,
 )
 from shardcache.errors import (
@@ -106,6 +107,27 @@ def test_range_whole_object(header):
 def test_range_invalid_is_416(header):
     with pytest.raises(RangeNotSatisfiable):
         parse_range(header, 100)
+
+
+@pytest.mark.parametrize(
+    "header, start",
+    [
+        ("bytes=5-9", 5),
+        (" Bytes = 7 -", 7),
+        ("bytes=-20", -1),  # a suffix range
+        ("bytes=0-1,5-6", None),  # several ranges: the whole object
+        ("items=0-5", None),
+        ("bytes=a-b", None),
+    ],
+)
+def test_range_start_reads_the_header_as_parse_range_does(header, start):
+    """Before the size is known (the cold path) a range's start comes from the same
+    reading of the header as :func:`parse_range`'s."""
+    assert range_start(header) == start
+    if start is None and "a-b" not in header:
+        assert parse_range(header, 100) is None
+    elif start is not None and start >= 0:
+        assert parse_range(header, 100).start == start
 
 
 def test_if_range():

@@ -18,12 +18,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
-from proxy.config import DEFAULTS
 from proxy.credentials import Credentials
 from proxy.policy import ByteRange, parse_range
 from proxy.upstream.aio import AioTransport
 from proxy.upstream.errors import REDIRECTS, UpstreamRedirect, status_error
 from proxy.upstream.file import FileTransport
+from proxy.upstream.options import DEFAULT_OPTIONS as DEFAULTS
 from proxy.upstream.parts import can_fetch_in_parts, parts_pump, parts_stream
 from proxy.upstream.redirects import RedirectingTransport, RedirectPolicy, Target
 from proxy.upstream.resume import can_resume
@@ -71,18 +71,18 @@ class Fetcher:
     def __init__(
         self,
         *,
-        connect_timeout: float = DEFAULTS["connect_timeout"],
-        read_timeout: float = DEFAULTS["read_timeout"],
-        retries: int = DEFAULTS["retries"],
-        retry_backoff: float = DEFAULTS["retry_backoff"],
-        chunk_size: int = DEFAULTS["chunk_size"],
+        connect_timeout: float = DEFAULTS.connect_timeout,
+        read_timeout: float = DEFAULTS.read_timeout,
+        retries: int = DEFAULTS.retries,
+        retry_backoff: float = DEFAULTS.retry_backoff,
+        chunk_size: int = DEFAULTS.chunk_size,
         observe: Observer = _noop,
         on_bytes: Callable[[int], None] | None = None,
-        part_size: int = DEFAULTS["part_size"],
-        parallel: int = DEFAULTS["parallel"],
-        http_parts: bool = DEFAULTS["http_parts"],
+        part_size: int = DEFAULTS.part_size,
+        parallel: int = DEFAULTS.parallel,
+        http_parts: bool = DEFAULTS.http_parts,
         s3: S3Upstream | None = None,
-        threaded: bool = DEFAULTS["http_transport"] == "threads",
+        threaded: bool = DEFAULTS.http_transport == "threads",
         redirects: RedirectPolicy | None = None,
         credentials: Credentials | None = None,
     ) -> None:
@@ -160,9 +160,7 @@ class Fetcher:
             raise status_error(url, resp.status, resp.reason)
 
         try:
-            resp = await retrying(
-                once, url, retries=self.policy.retries, backoff=self.policy.backoff
-            )
+            resp = await retrying(once, url, self.policy)
         except UpstreamRedirect:
             self.observe("ok")
             raise

@@ -17,7 +17,7 @@ import contextlib
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from proxy.config import DEFAULTS
+from proxy.upstream.options import DEFAULT_OPTIONS
 from proxy.upstream.stream import Policy, read
 from proxy.upstream.transport import Response, Transport
 from shardcache.errors import UpstreamError
@@ -33,8 +33,8 @@ __all__ = [
     "plan_parts",
 ]
 
-DEFAULT_PART_SIZE: int = DEFAULTS["part_size"]  # the settings table's --part-size
-DEFAULT_PARALLEL: int = DEFAULTS["parallel"]  # and --parallel
+DEFAULT_PART_SIZE: int = DEFAULT_OPTIONS.part_size  # the settings table's --part-size
+DEFAULT_PARALLEL: int = DEFAULT_OPTIONS.parallel  # and --parallel
 DEFAULT_POLICY = Policy()
 MAX_WRITE_BATCH = 4 * 1024 * 1024  # upper bound of one sink call when chunks are waiting
 

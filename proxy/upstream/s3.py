@@ -7,7 +7,9 @@ origin's answers, so resuming, verification and parts work as for any upstream.
 Credentials come from the standard AWS chain (environment, shared config/credentials
 files, ``profile``); with no credentials at all requests go unsigned (public buckets).
 S3 failures are mapped by the S3 table of :mod:`proxy.upstream.errors`; throttling and 5xx
-are retried with the one backoff (:func:`proxy.upstream.stream.retrying`).
+are retried with the one backoff (:func:`proxy.upstream.stream.retrying`): by the client's
+own :class:`~proxy.upstream.options.RetryPolicy` when it is called directly, by the
+upstream layer's loop (and never also here) when called through :class:`S3Transport`.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from typing import Any
 
 from multidict import CIMultiDict
 
-from proxy.config import DEFAULTS
 from proxy.upstream.errors import botocore_error, s3_error
+from proxy.upstream.options import DEFAULT_OPTIONS, NO_RETRY, RetryPolicy
 from proxy.upstream.s3url import S3Location, format_range, join_key, parse_s3_url
 from proxy.upstream.stream import retrying
 from proxy.upstream.transport import pump_chunks
@@ -101,7 +103,7 @@ class S3Response:
             h["Content-Type"] = meta.content_type
         self.headers: Mapping[str, str] = h
 
-    async def chunks(self, chunk_size: int = DEFAULTS["chunk_size"]) -> AsyncIterator[bytes]:
+    async def chunks(self, chunk_size: int = DEFAULT_OPTIONS.chunk_size) -> AsyncIterator[bytes]:
         got = 0
         if self._body is None:
             return
@@ -157,11 +159,11 @@ class S3Upstream:
         credentials: tuple[str, str] | None = None,
         anonymous: bool | None = None,
         addressing_style: str | None = None,
-        connect_timeout: float = DEFAULTS["connect_timeout"],
-        read_timeout: float = DEFAULTS["read_timeout"],
+        connect_timeout: float = DEFAULT_OPTIONS.connect_timeout,
+        read_timeout: float = DEFAULT_OPTIONS.read_timeout,
         max_connections: int = 64,
-        retries: int = 4,
-        backoff: float = 0.2,
+        retries: int = DEFAULT_OPTIONS.retries,
+        backoff: float = DEFAULT_OPTIONS.retry_backoff,
     ) -> None:
         self.endpoint_url = endpoint_url
         self.region = region
@@ -172,8 +174,7 @@ class S3Upstream:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_connections = max_connections
-        self.retries = retries
-        self.backoff = backoff
+        self.retry = RetryPolicy(retries, backoff)
         self._stack: contextlib.AsyncExitStack | None = None
         self._client: Any = None
         self._start_lock: asyncio.Lock | None = None
@@ -258,24 +259,32 @@ class S3Upstream:
             raise RuntimeError("S3Upstream not started")
         return self._client
 
-    async def _call(self, url: str, op: str, **params: Any) -> dict:
+    async def _call(self, url: str, op: str, retry: RetryPolicy | None, **params: Any) -> dict:
+        """``op`` on the client, retried by ``retry`` (None: this client's policy)."""
+
         async def once() -> dict:
             try:
                 return await getattr(self.client, op)(**params)
             except Exception as exc:
                 raise botocore_error(url, exc, body=False) from exc
 
-        return await retrying(once, url, retries=self.retries, backoff=self.backoff)
+        return await retrying(once, url, self.retry if retry is None else retry)
 
     async def head(
-        self, url: str, *, if_match: str | None = None, quoted: bool = False
+        self,
+        url: str,
+        *,
+        if_match: str | None = None,
+        quoted: bool = False,
+        retry: RetryPolicy | None = None,
     ) -> ObjectMeta:
-        """HEAD ``s3://bucket/key``: size, ETag, Last-Modified, Content-Type."""
+        """HEAD ``s3://bucket/key``: size, ETag, Last-Modified, Content-Type. ``retry``:
+        how to retry throttling (None: this client's policy)."""
         loc = parse_s3_url(url, quoted=quoted)
         params: dict[str, Any] = {"Bucket": loc.bucket, "Key": loc.key}
         if if_match:
             params["IfMatch"] = if_match
-        resp = await self._call(url, "head_object", **params)
+        resp = await self._call(url, "head_object", retry, **params)
         return ObjectMeta(
             size=int(resp["ContentLength"]),
             etag=resp.get("ETag"),
@@ -292,12 +301,13 @@ class S3Upstream:
         if_match: str | None = None,
         *,
         quoted: bool = False,
+        retry: RetryPolicy | None = None,
     ) -> S3Response:
         """GET ``s3://bucket/key``, optionally a byte range and pinned to an ETag.
 
         ``range`` is ``(first, last_inclusive_or_None)`` or a Range header value;
-        ``quoted`` as in :func:`parse_s3_url`. The returned response streams; close it
-        when done.
+        ``quoted`` as in :func:`parse_s3_url`; ``retry`` as for :meth:`head`. The returned
+        response streams; close it when done.
         """
         loc = parse_s3_url(url, quoted=quoted)
         params: dict[str, Any] = {"Bucket": loc.bucket, "Key": loc.key}
@@ -306,7 +316,7 @@ class S3Upstream:
             params["Range"] = header
         if if_match:
             params["IfMatch"] = if_match
-        resp = await self._call(url, "get_object", **params)
+        resp = await self._call(url, "get_object", retry, **params)
         status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 200)
         length = int(resp["ContentLength"])
         if status == 206 and resp.get("ContentRange"):
@@ -350,7 +360,7 @@ class S3Upstream:
     async def list_objects_v2(self, bucket: str, **params: Any) -> dict:
         """ListObjectsV2 on ``bucket`` with botocore's parameter names; keys come decoded."""
         params = {k: v for k, v in params.items() if v is not None}
-        return await self._call(f"s3://{bucket}/", "list_objects_v2", Bucket=bucket, **params)
+        return await self._call(f"s3://{bucket}/", "list_objects_v2", None, Bucket=bucket, **params)
 
 
 class S3Transport:
@@ -362,7 +372,11 @@ class S3Transport:
     With ``threads``, GETs go to a presigned URL (signing is local) over the threaded
     transport: bodies are received by worker threads and spliced into the file, the
     event loop never touches their bytes (aiobotocore's reads cost a core at the speeds
-    of a local S3). HEADs and listings stay with aiobotocore."""
+    of a local S3). HEADs and listings stay with aiobotocore.
+
+    Every request here is one try (:data:`~proxy.upstream.options.NO_RETRY`): the upstream
+    layer retries it, with the daemon's one policy, so a throttled request is retried in
+    one loop and ``--retries`` counts its tries."""
 
     def __init__(self, s3: S3Upstream, threads: Any = None) -> None:
         self.s3 = s3
@@ -401,7 +415,7 @@ class S3Transport:
         if if_match is None and (headers.get("If-Range") or "").startswith('"'):
             if_match = headers["If-Range"]
         if method == "HEAD" or "If-None-Match" in headers:
-            meta = await self.s3.head(url, if_match=if_match, quoted=True)
+            meta = await self.s3.head(url, if_match=if_match, quoted=True, retry=NO_RETRY)
             if headers.get("If-None-Match") in (meta.etag, "*"):
                 return S3Response(url, 304, meta, 0, 0)
             return S3Response(url, 200, meta, 0, meta.size or 0)
@@ -410,9 +424,11 @@ class S3Transport:
                 url, {**headers, **({"If-Match": if_match} if if_match else {})}
             )
         try:
-            return await self.s3.open(url, headers.get("Range"), if_match, quoted=True)
+            return await self.s3.open(
+                url, headers.get("Range"), if_match, quoted=True, retry=NO_RETRY
+            )
         except RangeNotSatisfiable:
-            meta = await self.s3.head(url, if_match=if_match, quoted=True)
+            meta = await self.s3.head(url, if_match=if_match, quoted=True, retry=NO_RETRY)
             return S3Response(url, 416, meta, 0, 0)
         except ObjectChanged:
             return S3Response(url, 412, ObjectMeta(size=None), 0, 0)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from proxy.upstream.errors import status_error
+from proxy.upstream.options import RetryPolicy
 from proxy.upstream.resume import next_try, range_headers, verify
 from proxy.upstream.transport import Response, Transport
 from shardcache.errors import (
@@ -44,20 +45,17 @@ def _noop(outcome: str) -> None:
 
 
 @dataclass(frozen=True)
-class Policy:
-    """How hard to try, and whom to tell."""
+class Policy(RetryPolicy):
+    """How hard to try (the daemon's one :class:`RetryPolicy`), and whom to tell."""
 
-    retries: int = 3
-    backoff: float = 0.5
     observe: Callable[[str], None] = _noop  # "resumed", "aborted", ...
     on_bytes: Callable[[int], None] | None = None
 
 
-async def retrying(
-    call: Callable[[], Awaitable[T]], url: str, *, retries: int, backoff: float
-) -> T:
+async def retrying(call: Callable[[], Awaitable[T]], url: str, policy: RetryPolicy) -> T:
     """``call()``, again after the one backoff while the upstream says it is overloaded
-    (UpstreamThrottled), up to ``retries`` more times."""
+    (UpstreamThrottled), up to ``policy.retries`` more times."""
+    retries, backoff = policy.retries, policy.backoff
     attempt = 0
     while True:
         try:
@@ -90,7 +88,7 @@ async def ask(
             raise status_error(url, resp.status, resp.reason)
         return resp
 
-    resp = await retrying(once, url, retries=policy.retries, backoff=policy.backoff)
+    resp = await retrying(once, url, policy)
     try:
         got = verify(url, meta, start, end, resp.status, resp.headers)
     except BaseException:

@@ -20,8 +20,8 @@ from shardcache.errors import ShardcacheError
 
 # Modules that contribute subcommands, in the order they appear in --help.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
-    "proxy.cli",  # serve, check
-    "shardcache.cli.check",  # check: also the stray files of a cache directory
+    "proxy.cli",  # serve
+    "shardcache.cli.check",  # check: the store's check and the stray files
     "shardcache.cli.demo",  # demo
     "dbcache.cli",  # dbcache build|info|export
     "shardcache.cli.prefetch",  # prefetch

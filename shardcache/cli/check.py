@@ -1,4 +1,5 @@
-"""``shardcache check`` also lists stray files: names in the cache directory that the
+"""``shardcache check``: the store's check of a cache directory (and repair with
+``--fix``), which also lists stray files: names in the cache directory that the
 store did not make (not an entry, the index or a download or eviction in progress).
 
 The store's own check reconciles its index with its files and ignores every other name,
@@ -10,12 +11,13 @@ not the cache's to delete.
 from __future__ import annotations
 
 import argparse
-import functools
+import logging
 import os
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-from shardcache.store import DEL_SUFFIX, INDEX_NAME, PART_SUFFIX
+from shardcache.errors import ConfigError
+from shardcache.store import DEL_SUFFIX, INDEX_NAME, PART_SUFFIX, Store
 
 # the index and SQLite's files beside it
 INDEX_FILES = frozenset(INDEX_NAME + suffix for suffix in ("", "-wal", "-shm", "-journal"))
@@ -64,7 +66,35 @@ def stray_files(cache_dir: str | os.PathLike[str]) -> list[tuple[str, int | None
     return out
 
 
-def cmd_check(store_check: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+def store_check(args: argparse.Namespace) -> int:
+    """The store's own check (and repair with ``--fix``) of ``args.cache_dir``: exit 0
+    when nothing is left wrong, 1 otherwise."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cache_dir = args.cache_dir
+    if not os.path.isdir(cache_dir):
+        raise ConfigError("--cache-dir", f"{cache_dir} is not a directory")
+    if not os.path.exists(os.path.join(cache_dir, INDEX_NAME)):
+        raise ConfigError("--cache-dir", f"{cache_dir} has no shardcache index ({INDEX_NAME})")
+    store = Store(cache_dir, reconcile=False)  # report first; repair only with --fix
+    try:
+        report = store.check(fix=args.fix)
+    finally:
+        store.close()
+    print(f"cache {cache_dir}: {report.entries} entries, {report.bytes} bytes")
+    for line in report.problems:
+        print(f"problem: {line}")
+    for line in report.fixed:
+        print(f"fixed: {line}")
+    if report.ok:
+        print("ok")
+        return 0
+    if args.fix and report.fixed and len(report.fixed) >= len(report.problems):
+        print("repaired")
+        return 0
+    return 1
+
+
+def cmd_check(args: argparse.Namespace) -> int:
     """The store's check, then the stray files (reported; the exit status is the store's)."""
     status = store_check(args)
     strays = stray_files(args.cache_dir)
@@ -77,12 +107,14 @@ def cmd_check(store_check: Callable[[argparse.Namespace], int], args: argparse.N
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Extend the ``check`` subcommand (registered with ``serve``) with the stray files."""
-    parser = subparsers.choices.get("check")
-    if parser is None:
-        return
-    store_check = parser.get_default("func")
-    parser.set_defaults(func=functools.partial(cmd_check, store_check))
-    parser.description = (parser.description or "").rstrip() + (
-        " Also lists stray files: names in the directory that are not the cache's (left alone)."
+    """Add the ``check`` subcommand."""
+    c = subparsers.add_parser(
+        "check",
+        help="check (and repair) a cache directory",
+        description="Reconcile the store's index with its directory and report problems; "
+        "exit 1 if any remain. Also lists stray files: names in the directory that are not "
+        "the cache's (left alone).",
     )
+    c.add_argument("--cache-dir", required=True, help="the cache directory")
+    c.add_argument("--fix", action="store_true", help="repair what can be repaired")
+    c.set_defaults(func=cmd_check)

@@ -17,9 +17,9 @@ from urllib.parse import quote, urlsplit
 
 from shardcache.errors import ShardcacheError
 from shardcache.plans import TOKEN_ENV
+from shardcache.urls import PROXY_ENV
 
 DEFAULT_PROXY = "http://127.0.0.1:8080"
-PROXY_ENV = "SHARDCACHE_PROXY"
 CACHE_DIR_ENV = "SHARDCACHE_CACHE_DIR"  # the variable serve reads too (settings table)
 CHUNK = 1 << 20
 

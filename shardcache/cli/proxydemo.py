@@ -140,7 +140,7 @@ def proxy_demo(
     out: TextIO | None = None,
 ) -> int:
     """Run the proxy demo; returns 0 when both passes read identical samples."""
-    from shardcache.cli.demo import make_shards, origin
+    from shardcache.cli.demodata import make_shards, origin
     from shardcache.urls import proxied
 
     out = out or sys.stdout

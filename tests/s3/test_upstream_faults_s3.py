@@ -202,3 +202,35 @@ def test_s3_denied_is_403_and_access_denied_at_the_front(origin, proxy, mode, st
     assert r2.headers.get("x-cache") != "HIT", r2.describe()
     got = client.get_object(Bucket=FRONT, Key=KEY)["Body"].read()
     assert got == data
+
+
+# --- throttling: --retries counts the tries ------------------------------------------------
+
+RETRIES = int(COMMON[COMMON.index("--retries") + 1])
+
+
+def test_s3_slowdown_is_tried_retries_plus_one_times(origin, proxy, mode):
+    """A bucket that answers every request 503 SlowDown: each request the proxy makes
+    (a HEAD for a client's HEAD, a GET for a miss) is tried ``--retries`` + 1 times, in
+    one loop, with the daemon's backoff, then the client gets a 5xx (a message, none of
+    the object's bytes). The S3 client does not retry on its own inside that loop."""
+    data = os.urandom(64 * KiB)
+    sc = origin.add(
+        ORIGIN_PATH,
+        versions=[Version(data, etag=ETAG_OLD, last_modified=LM_OLD)],
+        status=503,
+    )
+
+    def tries() -> dict[str, int]:
+        return {m: len(origin.log(ORIGIN_PATH, m)) for m in ("HEAD", "GET")}
+
+    r = fetch(proxy.port, PROXY_PATH, "HEAD")
+    assert r.status is not None and r.status >= 500, r.describe()
+    assert tries() == {"HEAD": RETRIES + 1, "GET": 0}, tail_of(proxy)
+    r = fetch(proxy.port, PROXY_PATH)
+    assert r.status is not None and r.status >= 500 and data not in r.body, r.describe()
+    assert tries() == {"HEAD": RETRIES + 1, "GET": RETRIES + 1}, tail_of(proxy)
+    st = settle(proxy)
+    assert st["entries"] == 0, st
+    sc.heal()
+    second_read(proxy, [data], PROXY_PATH)
