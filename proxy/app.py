@@ -45,6 +45,7 @@ from proxy.s3front import S3_SERVICE_ROUTE, S3Front
 from proxy.sendfile import send_file
 from proxy.storehealth import StoreHealth
 from proxy.upstream import Fetcher, ObjectMeta, S3Upstream, UpstreamBody
+from proxy.upstream.errors import PassedAnswer
 from proxy.upstream.redirects import RedirectPolicy
 from proxy.upstream.resume import can_resume
 from shardcache.errors import (
@@ -313,6 +314,25 @@ def _error_response(
     return web.Response(status=status, text=line + "\n", headers=headers)
 
 
+def _passed(exc: ProxyError, answer: PassedAnswer, method: str) -> web.Response:
+    """The upstream's answer as it was (status, end-to-end fields, body), uncached, with
+    the proxy's one-line account in ``X-Shardcache-Error``. A 401 becomes 403: the
+    upstream refused the proxy's own credentials, and the client must not be asked for
+    its own (they are not forwarded)."""
+    status = 403 if answer.status == 401 else answer.status
+    headers: CIMultiDict[str] = CIMultiDict(
+        (k, v) for k, v in answer.fields if k.lower() != "www-authenticate"
+    )
+    headers["X-Shardcache-Error"] = " ".join(str(exc).split())[:512]
+    if status < 400:
+        headers["X-Cache"] = "BYPASS"  # a success that is not the object: passed, uncached
+    body = None if method == "HEAD" or status in (204, 304) else answer.body
+    resp = web.Response(status=status, reason=answer.reason or None, body=body, headers=headers)
+    if method == "HEAD" and answer.body:
+        resp.headers["Content-Length"] = str(len(answer.body))
+    return resp
+
+
 @web.middleware
 async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
     start = time.monotonic()
@@ -324,13 +344,16 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
         try:
             resp = await handler(request)
         except ProxyError as exc:
-            headers = getattr(exc, "headers", None)
-            if isinstance(exc, MethodNotAllowed):
-                headers = {"Allow": getattr(exc, "allow", "GET, HEAD")}
-            status, _ = error_answer(exc)
-            if status == 401:
-                headers = {"WWW-Authenticate": 'Bearer realm="shardcache"'}
-            resp = _error_response(status, str(exc), headers)
+            if isinstance(exc.answer, PassedAnswer):
+                resp = _passed(exc, exc.answer, request.method)
+            else:
+                headers = getattr(exc, "headers", None)
+                if isinstance(exc, MethodNotAllowed):
+                    headers = {"Allow": getattr(exc, "allow", "GET, HEAD")}
+                status, _ = error_answer(exc)
+                if status == 401:
+                    headers = {"WWW-Authenticate": 'Bearer realm="shardcache"'}
+                resp = _error_response(status, str(exc), headers)
         except web.HTTPException as exc:
             resp = _error_response(exc.status, exc.text or exc.reason, None)
         except DownloadFailed as exc:  # failed before this response started

@@ -191,11 +191,18 @@ class ProxyError(ShardcacheError):
 
     status_hint: int = 500
     s3_code: str | None = None
+    # what the upstream answered, to be passed on to the client as it was (its status,
+    # end-to-end fields and a small body), when the error comes from such an answer
+    answer: object | None = None
 
-    def __init__(self, message: str, status_hint: int | None = None) -> None:
+    def __init__(
+        self, message: str, status_hint: int | None = None, *, answer: object | None = None
+    ) -> None:
         super().__init__(message)
         if status_hint is not None:
             self.status_hint = status_hint
+        if answer is not None:
+            self.answer = answer
 
 
 class BadRequest(ProxyError):

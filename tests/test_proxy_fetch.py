@@ -12,8 +12,9 @@ import threading
 import pytest
 from proxy_helpers import Fault, Origin, free_port
 
-from proxy.upstream import Fetcher, UpstreamRedirect
+from proxy.upstream import Fetcher
 from proxy.upstream import threaded as fetch
+from proxy.upstream.redirects import RedirectRefused
 from shardcache.errors import IncompleteDownloadError, NotFound, UpstreamError, UpstreamTimeout
 
 pytestmark = pytest.mark.timeout(60)
@@ -315,25 +316,33 @@ async def test_stall_mid_body_times_out_and_resumes(tmp_path):
         o.close()
 
 
-async def test_redirect_is_passed_on_not_followed(aiohttp_server, tmp_path):
-    """A redirect is the client's to follow: following it would cache the target's bytes
-    under the requested URL."""
+async def test_redirects_are_followed_to_safe_targets_only(aiohttp_server, tmp_path):
+    """A redirect to the upstream's own host is followed (the bytes of the target, to be
+    cached under the URL asked for); one to a host not allowed is refused, naming it."""
     from aiohttp import web
 
     async def moved(request):
         raise web.HTTPFound("/real.tar")
 
+    async def away(request):
+        raise web.HTTPFound("http://elsewhere.example/real.tar?sig=secret")
+
+    async def real(request):
+        return web.Response(body=b"the target", headers={"ETag": '"t"'})
+
     app = web.Application()
     app.router.add_get("/moved.tar", moved)
+    app.router.add_get("/away.tar", away)
+    app.router.add_get("/real.tar", real)
     server = await aiohttp_server(app)
     f = Fetcher()
     try:
-        with pytest.raises(UpstreamRedirect) as info:
-            await f.open(f"http://127.0.0.1:{server.port}/moved.tar")
-        assert info.value.status_hint == 302
-        assert info.value.headers == {
-            "Location": f"http://127.0.0.1:{server.port}/real.tar",
-            "X-Cache": "BYPASS",
-        }
+        body = await f.open(f"http://127.0.0.1:{server.port}/moved.tar")
+        got = b"".join([c async for c in body.chunks()])
+        assert got == b"the target" and body.meta.etag == '"t"'
+        with pytest.raises(RedirectRefused) as info:
+            await f.open(f"http://127.0.0.1:{server.port}/away.tar")
+        assert "elsewhere.example" in str(info.value) and "--redirect-host" in str(info.value)
+        assert "secret" not in str(info.value)
     finally:
         await f.close()

@@ -12,6 +12,7 @@ import asyncio
 import http.client
 import socket
 import ssl
+from dataclasses import dataclass
 from urllib.parse import urljoin
 
 import aiohttp
@@ -30,6 +31,8 @@ from shardcache.errors import (
 
 __all__ = [
     "CREDENTIALS_HINT",
+    "PASS_LIMIT",
+    "PassedAnswer",
     "REDIRECTS",
     "UpstreamRedirect",
     "botocore_error",
@@ -61,18 +64,36 @@ _STATUS: dict[int, type[ProxyError]] = {
 }
 
 
-def status_error(url: str, status: int, reason: str | None = "") -> ProxyError:
-    """The error for an upstream answer with ``status`` where the bytes were due. Other
-    4xx pass through with their status; other 5xx become 502."""
+@dataclass(frozen=True)
+class PassedAnswer:
+    """An upstream's answer that is passed to the client as it was: its status and
+    reason, end-to-end header fields and body (small: error pages, empty successes)."""
+
+    status: int
+    reason: str
+    fields: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+PASS_LIMIT = 1 << 20  # an answer body larger than this is not passed on (nor held in memory)
+
+
+def status_error(
+    url: str, status: int, reason: str | None = "", answer: PassedAnswer | None = None
+) -> ProxyError:
+    """The error for an upstream answer with ``status`` where the bytes were due, carrying
+    the ``answer`` to pass on when there is one. The class says what it means to the
+    proxy (NotFound, throttled...); without an answer, other 4xx keep their status and
+    other statuses become 502."""
     text = f"upstream {url} answered {status} {reason or ''}".rstrip()
     cls = _STATUS.get(status)
     if cls is Forbidden:
-        return Forbidden(f"{text}: the upstream refused the proxy's own credentials")
+        return Forbidden(f"{text}: the upstream refused the proxy's own credentials", answer=answer)
     if cls is not None:
-        return cls(text)
+        return cls(text, answer=answer)
     if 400 <= status < 500:
-        return ProxyError(text, status_hint=status)
-    return UpstreamError(text)
+        return ProxyError(text, status_hint=status, answer=answer)
+    return UpstreamError(text, answer=answer)
 
 
 # -- transports: exceptions raised while connecting or reading ---------------------------

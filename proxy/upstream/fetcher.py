@@ -21,7 +21,13 @@ from urllib.parse import urlsplit
 from proxy.credentials import Credentials
 from proxy.policy import ByteRange, parse_range
 from proxy.upstream.aio import AioTransport
-from proxy.upstream.errors import REDIRECTS, UpstreamRedirect, status_error
+from proxy.upstream.errors import (
+    PASS_LIMIT,
+    REDIRECTS,
+    PassedAnswer,
+    UpstreamRedirect,
+    status_error,
+)
 from proxy.upstream.file import FileTransport
 from proxy.upstream.options import DEFAULT_OPTIONS as DEFAULTS
 from proxy.upstream.parts import can_fetch_in_parts, parts_pump, parts_stream
@@ -51,6 +57,27 @@ PROC_FD = os.path.isdir("/proc/self/fd")  # parts written at their offsets need 
 
 def _noop(outcome: str) -> None:
     pass
+
+
+async def _passable(resp: Response, method: str) -> PassedAnswer | None:
+    """``resp`` (an answer the proxy does not serve as the object) as it can be passed
+    on to the client: with its whole body when that is at most PASS_LIMIT bytes and
+    arrives intact; None otherwise (the client then gets the proxy's own message)."""
+    fields = origin_headers(resp.headers)
+    if resp.headers.get("Content-Type"):
+        fields += (("Content-Type", resp.headers["Content-Type"]),)
+    if resp.status == 206 and resp.headers.get("Content-Range"):
+        fields += (("Content-Range", resp.headers["Content-Range"]),)
+    body = b""
+    if method != "HEAD" and resp.status not in (204, 304):
+        try:
+            async for chunk in resp.chunks():
+                body += chunk
+                if len(body) > PASS_LIMIT:
+                    return None
+        except ProxyError:
+            return None  # broken: never passed on as if complete
+    return PassedAnswer(resp.status, resp.reason or "", fields, body)
 
 
 @dataclass
@@ -153,11 +180,13 @@ class Fetcher:
             resp = await transport.request(method, url, headers)
             if resp.status in ok:
                 return resp
-            resp.close()
             location = resp.headers.get("Location")
             if resp.status in REDIRECTS and location:
+                resp.close()
                 raise UpstreamRedirect(url, resp.status, location)
-            raise status_error(url, resp.status, resp.reason)
+            answer = await _passable(resp, method)
+            resp.close()
+            raise status_error(url, resp.status, resp.reason, answer)
 
         try:
             resp = await retrying(once, url, self.policy)

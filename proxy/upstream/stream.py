@@ -57,16 +57,24 @@ async def retrying(call: Callable[[], Awaitable[T]], url: str, policy: RetryPoli
     (UpstreamThrottled), up to ``policy.retries`` more times."""
     retries, backoff = policy.retries, policy.backoff
     attempt = 0
+    first: UpstreamThrottled | None = None
     while True:
         try:
             return await call()
         except UpstreamThrottled as exc:
+            first = first or exc
             attempt += 1
             delay = next_try(None, 0, attempt, retries, backoff, random.random())
             if delay is None:
                 raise
             log.warning("%s: %s; retry %d/%d in %.2fs", url, exc, attempt, retries, delay)
             await asyncio.sleep(delay)
+        except ProxyError as exc:
+            if first is None:
+                raise
+            # a retry answered something else: the client is told the first failure,
+            # never an answer meant for a request it did not make
+            raise first from exc
 
 
 async def ask(
