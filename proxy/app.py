@@ -1238,8 +1238,9 @@ def _require_admin(request: web.Request) -> None:
     if not auth:
         raise ProxyError("admin token required (Authorization: Bearer <token>)", status_hint=401)
     scheme, _, given = auth.partition(" ")
+    # the header's bytes that are not UTF-8 arrive as surrogates: compare them as sent
     if scheme.lower() != "bearer" or not hmac.compare_digest(
-        given.strip().encode(), token.encode()
+        given.strip().encode("utf-8", "surrogateescape"), token.encode()
     ):
         raise Forbidden("wrong admin token")
 
