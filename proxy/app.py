@@ -25,6 +25,7 @@ from proxy.config import Settings
 from proxy.credentials import Credentials
 from proxy.hits import HitTier
 from proxy.inflight import Download, DownloadFailed, Inflight, State
+from proxy.logs import clip
 from proxy.metrics import ProxyMetrics
 from proxy.plans import PLAN_HEADER, Plans, Scheduler
 from proxy.policy import (
@@ -363,7 +364,7 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
             '%s "%s %s" %d %s %d %.3fs%s',
             request.remote,
             request.method,
-            request.raw_path,
+            clip(request.raw_path),
             status,
             cache,
             nbytes,

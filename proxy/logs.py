@@ -32,10 +32,11 @@ import time
 from collections.abc import Callable, Iterable
 from urllib.parse import quote, quote_plus, urlsplit
 
-__all__ = ["PER_SECOND", "ClientErrors", "Redact", "install", "redact"]
+__all__ = ["PER_SECOND", "ClientErrors", "Redact", "clip", "install", "redact"]
 
 REDACTED = "[REDACTED]"
 PER_SECOND = 5  # lines a second per kind of malformed request; the rest are counted
+MAX_LOGGED = 2048  # characters of a request target the access log writes
 MIN_SECRET = 4  # shorter secrets are only caught by their shape (a 1-char token would
 # otherwise blank that character everywhere)
 
@@ -53,25 +54,55 @@ _PARAMS = (
     r"|key-pair-id|policy|token|access_token|id_token|refresh_token|api_key|apikey"
     r"|api-key|password|passwd|secret|client_secret|x-auth-token"
 )
-_SHAPES = re.compile(
-    # 1: a credential header field and its value, up to a quote or the line's end
-    rf"(?P<field>\b(?:{_FIELDS})['\"]?\s*[:=]\s*['\"]?)[^'\"\r\n]+"
-    # 2: a bearer token anywhere
-    r"|(?P<bearer>\bbearer\s+)[^\s'\",]+"
-    # 3: a credential parameter: ?X-Amz-Signature=..., &sig=..., ", Signature=..."
-    rf"|(?P<param>(?:^|[?&;,\s])(?:{_PARAMS})=)[^&;,\s'\"]*"
-    # 4: the password of a URL: scheme://user:password@host
-    r"|(?P<userinfo>\b[a-z][a-z0-9+.-]*://[^/\s:@'\"]*:)[^/\s@'\"]+(?=@)",
+_FIELD_RE = re.compile(
+    # a credential header field and its value, up to a quote or the line's end
+    rf"(?P<keep>\b(?:{_FIELDS})['\"]?\s*[:=]\s*['\"]?)[^'\"\r\n]+",
     re.IGNORECASE,
 )
+_BEARER_RE = re.compile(r"(?P<keep>\bbearer\s+)[^\s'\",]+", re.IGNORECASE)
+_PARAM_NAMES = frozenset(_PARAMS.split("|"))
+# any parameter (at the start, after ?&; or a comma or space) and its value; the name is
+# looked up in _PARAM_NAMES (one pass over the line, not one per name)
+_PARAM_RE = re.compile(r"(?<![^?&;,\s])(?P<name>[A-Za-z][\w-]*)=(?P<value>[^&;,\s'\"]*)")
+# the password of a URL: scheme://user:password@host
+_USERINFO_RE = re.compile(r"(?P<keep>://[^/\s:@'\"]*:)[^/\s@'\"]+(?=@)")
 
 
 def _keep_name(m: re.Match[str]) -> str:
-    for group in ("field", "bearer", "param", "userinfo"):
-        prefix = m.group(group)
-        if prefix is not None:
-            return prefix + REDACTED
-    return REDACTED
+    return m.group("keep") + REDACTED
+
+
+def _param(m: re.Match[str]) -> str:
+    name = m.group("name")
+    return f"{name}={REDACTED}" if name.lower() in _PARAM_NAMES else m.group(0)
+
+
+_FIELD_NAMES = tuple(_FIELDS.split("|"))
+
+
+def redact(text: str) -> str:
+    """``text`` with credentials of a known shape replaced (no secret values known).
+
+    Each shape's regex runs only when the line holds its literal trigger: most lines,
+    the access log's among them, hold none, and testing for them costs a small part of
+    what the regexes would."""
+    lower = text.lower()
+    equals, colon = "=" in lower, ":" in lower
+    if (equals or colon) and any(name in lower for name in _FIELD_NAMES):
+        text = _FIELD_RE.sub(_keep_name, text)
+    if "bearer" in lower:
+        text = _BEARER_RE.sub(_keep_name, text)
+    if equals:
+        text = _PARAM_RE.sub(_param, text)
+    if "://" in lower and "@" in lower:
+        text = _USERINFO_RE.sub(_keep_name, text)
+    return text
+
+
+def clip(text: str, limit: int = MAX_LOGGED) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was: a client's 8 KiB
+    request target costs the log (and its redaction) no more than a long URL does."""
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
 
 
 class Redactor:
@@ -89,12 +120,7 @@ class Redactor:
         for secret in self.secrets:
             if secret in text:
                 text = text.replace(secret, REDACTED)
-        return _SHAPES.sub(_keep_name, text)
-
-
-def redact(text: str) -> str:
-    """``text`` with credentials of a known shape replaced (no secret values known)."""
-    return _SHAPES.sub(_keep_name, text)
+        return redact(text)
 
 
 class Redact(logging.Filter):

@@ -320,6 +320,7 @@ def test_no_credential_reaches_the_log(proxy):
             sent.append(request(port, f"{path}?{q}", method="DELETE"))
         sent.append(f"GET /small.tar?{q} HTTP/1.1 x\r\nHost: y\r\n\r\n".encode())
         sent.append(f"GET /{'a' * 9000}?{q} HTTP/1.1\r\nHost: y\r\n\r\n".encode())
+        sent.append(request(port, f"/{'c' * 3000}?{q}"))  # long, yet parsed: access-logged
         sent.append(f"GET /\x00?{q} HTTP/1.1\r\nHost: y\r\n\r\n".encode())
     for auth in auths:
         for method, path in (("DELETE", "/-/cache"), ("POST", "/-/prefetch"), ("GET", "/data")):
@@ -337,6 +338,8 @@ def test_no_credential_reaches_the_log(proxy):
     assert_no_credential(log)
     assert_quiet(log)
     assert "[REDACTED]" in log  # the shapes were logged, without their values
+    assert "ccc...(" in log  # a long target is logged cut short
+    assert max(len(line) for line in log.splitlines()) < 2400
 
 
 # ------------------------------------------------------------ the filters, directly
