@@ -10,7 +10,7 @@ Two logging filters, installed once where the daemon sets up logging (:func:`ins
   requests: ``Authorization`` and other credential header fields, ``Bearer`` tokens,
   SigV4 ``Credential=``/``Signature=``, the signature and token parameters of presigned
   URLs (``X-Amz-Signature``, ``X-Goog-Signature``, ``sig``, ...) and passwords in URLs.
-  The access log writes every request's raw path, so a presigned query must be cut
+  The access log writes every request's raw target, so a presigned query is redacted
   there too.
 - :class:`ClientErrors`, on aiohttp's ``aiohttp.server`` logger: aiohttp logs a request
   it cannot parse (a bad request line, a header too large, a NUL or CR in a header
@@ -43,8 +43,8 @@ MIN_SECRET = 4  # shorter secrets are only caught by their shape (a 1-char token
 # header fields whose whole value is a credential, as a header line, a repr of one, or
 # a dict item: ``Authorization: x``, ``b'Authorization: x'``, ``'authorization': 'x'``
 _FIELDS = (
-    r"authorization|proxy-authorization|x-amz-security-token|x-amz-content-sha256-secret"
-    r"|x-goog-api-key|x-api-key|api-key|cookie|set-cookie|x-auth-token"
+    r"authorization|proxy-authorization|x-amz-security-token|x-goog-api-key|x-api-key"
+    r"|api-key|cookie|set-cookie|x-auth-token"
 )
 # query and attribute parameters whose value is a credential (presigned URLs of S3, GCS
 # and Azure, CloudFront signed URLs, SigV4 Authorization attributes, OAuth-style tokens)
