@@ -60,7 +60,10 @@ def origin():
 
 
 @pytest.fixture
-def proxy(origin, tmp_path: Path):
+def proxy(origin, tmp_path: Path, request):
+    """The proxy with an admin token and S3 front keys, at the log level of the test's
+    parameter (info by default)."""
+    level = getattr(request, "param", "info")
     p = ProxyProcess(
         tmp_path / "cache",
         "--upstream",
@@ -79,6 +82,8 @@ def proxy(origin, tmp_path: Path):
         "1G",
         "--grace-period",
         "1",
+        "--log-level",
+        level,
         env={"AWS_SECRET_ACCESS_KEY": AWS_SK},
     ).start()
     yield p
@@ -282,10 +287,12 @@ def test_a_flood_of_malformed_requests_is_rate_limited(proxy):
     assert_quiet(log)
 
 
+@pytest.mark.parametrize("proxy", ["info", "debug"], indirect=True)
 def test_no_credential_reaches_the_log(proxy):
     """The admin token, the S3 front's secret, signatures and presigned queries, sent in
     every malformed shape (and in well-formed requests, which the access log records),
-    appear in no line of the log."""
+    appear in no line of the log, at the default level or at debug (where a SigV4
+    mismatch logs the canonical request)."""
     port = proxy.port
     now = dt.datetime.now(dt.timezone.utc)
     presigned = (
@@ -328,6 +335,15 @@ def test_no_credential_reaches_the_log(proxy):
     for header in ("X-Amz-Security-Token", "Cookie", "Proxy-Authorization", "X-Api-Key"):
         sent.append(request(port, "/small.tar", f"{header}: {TOKEN}\x00"))
         sent.append(request(port, "/small.tar", f"{header}: {TOKEN}" + "B" * 9000))
+    stamp = f"{now:%Y%m%dT%H%M%SZ}"
+    sigv4 = (
+        f"Authorization: AWS4-HMAC-SHA256 Credential={AK}/{now:%Y%m%d}/us-east-1/s3/"
+        f"aws4_request, SignedHeaders=host;x-amz-date;x-amz-security-token, Signature={SIG}"
+    )
+    for target in ("/data/small.tar", f"/data/small.tar?{presigned}"):  # wrong signatures
+        sent.append(
+            request(port, target, sigv4, f"X-Amz-Date: {stamp}", f"X-Amz-Security-Token: {SK}")
+        )
     sent.append(request(port, "/-/cache", f"Authorization: Bearer {TOKEN}", method="DELETE"))
     sent.append(request(port, "/-/cache", "Authorization: Bearer wrong" + SK, method="DELETE"))
     sent.append(request(port, "/-/cache", f"Authorization: {TOKEN}", method="DELETE"))
@@ -338,6 +354,8 @@ def test_no_credential_reaches_the_log(proxy):
     assert_no_credential(log)
     assert_quiet(log)
     assert "[REDACTED]" in log  # the shapes were logged, without their values
+    if "debug" in proxy.args:  # the SigV4 mismatches logged their canonical requests
+        assert "canonical request was:" in log
     assert "ccc...(" in log  # a long target is logged cut short
     assert max(len(line) for line in log.splitlines()) < 2400
 
