@@ -30,6 +30,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 from urllib.parse import quote, quote_plus, urlsplit
 
 __all__ = ["PER_SECOND", "ClientErrors", "Redact", "clip", "install", "redact"]
@@ -109,17 +110,32 @@ class Redactor:
     """Replaces credentials in text: the known ``secrets`` wherever they appear (also
     percent-encoded), and anything in a credential's shape."""
 
-    def __init__(self, secrets: Iterable[str | None] = ()) -> None:
+    def __init__(self, secrets: Iterable[str | None] = (), fields: Iterable[str] = ()) -> None:
         forms: set[str] = set()
         for secret in secrets:
             if secret and len(secret) >= MIN_SECRET:
                 forms.update({secret, quote(secret, safe=""), quote_plus(secret)})
         self.secrets = sorted(forms, key=len, reverse=True)  # longest first
+        # header fields of the operator's own (--upstream-header) beside the known ones
+        self.fields = tuple(sorted({f.lower() for f in fields} - set(_FIELD_NAMES)))
+        self._fields_re = (
+            re.compile(
+                rf"(?P<keep>\b(?:{'|'.join(map(re.escape, self.fields))})['\"]?\s*[:=]\s*['\"]?)"
+                r"[^'\"\r\n]+",
+                re.IGNORECASE,
+            )
+            if self.fields
+            else None
+        )
 
     def __call__(self, text: str) -> str:
         for secret in self.secrets:
             if secret in text:
                 text = text.replace(secret, REDACTED)
+        if self._fields_re is not None:
+            lower = text.lower()
+            if any(f in lower for f in self.fields):
+                text = self._fields_re.sub(_keep_name, text)
         return redact(text)
 
 
@@ -221,8 +237,9 @@ def _reason(exc: BaseException) -> str:
 
 def secrets_of(settings: object) -> list[str]:
     """The secret values among the daemon's settings and environment: the admin token,
-    the S3 front's secret key, passwords in upstream URLs and the AWS secrets the S3
-    upstreams sign with."""
+    the S3 front's secret key, passwords in upstream URLs, the AWS secrets the S3
+    upstreams sign with and the upstream credentials (``--upstream-auth``,
+    ``--upstream-header``) as they read now."""
     found: list[str] = []
     for name in ("admin_token", "s3_front_secret_key"):
         value = getattr(settings, name, None)
@@ -238,13 +255,30 @@ def secrets_of(settings: object) -> list[str]:
     for var in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
         if os.environ.get(var):
             found.append(os.environ[var])
+    for credential in _upstream_credentials(settings):
+        try:
+            found.append(credential.source.read())
+        except (ValueError, AttributeError):  # unreadable now: its shape still redacts it
+            pass
     return found
+
+
+def _upstream_credentials(settings: object) -> list[Any]:
+    """The ``--upstream-auth`` and ``--upstream-header`` credentials of ``settings``."""
+    return [
+        *(getattr(settings, "upstream_auth", None) or ()),
+        *(getattr(settings, "upstream_headers", None) or ()),
+    ]
 
 
 def install(settings: object, extra_secrets: Iterable[str] = ()) -> None:
     """Put :class:`Redact` on every handler of the root logger and :class:`ClientErrors`
-    on ``aiohttp.server``; once per process (a second call replaces the first's)."""
-    redactor = Redactor([*secrets_of(settings), *extra_secrets])
+    on ``aiohttp.server``; once per process (a second call replaces the first's).
+
+    The secrets are those of the settings at startup (a credential file rotated later is
+    caught by its shape: its header field, or ``Bearer``)."""
+    fields = [str(getattr(c, "header", "")) for c in _upstream_credentials(settings)]
+    redactor = Redactor([*secrets_of(settings), *extra_secrets], [f for f in fields if f])
     for handler in logging.getLogger().handlers:
         for old in [f for f in handler.filters if isinstance(f, Redact)]:
             handler.removeFilter(old)

@@ -35,10 +35,12 @@ TOKEN = "Adm1nTokenZq8Vw3Kx"  # --admin-token
 AK = "AKIDHOSTILEFRONT01"  # --s3-front-access-key (an id, not a secret)
 SK = "S3secretKeyJh5Rt9Lm2Wq7"  # --s3-front-secret-key
 AWS_SK = "UpstreamAwsSecretPp4Nn6"  # an upstream credential in the proxy's environment
+HUB = "hf_UpstreamBearerQq3Ee8"  # --upstream-auth (a bearer token sent upstream)
+ORIGIN_KEY = "OriginKeyVv5Bb1Cc"  # --upstream-header (a header sent upstream)
 SIG = "5ca1ab1e" * 8  # a SigV4 signature
 GOOG = "600d5194a7e0" * 4  # a GCS signature
 SAS = "AzureSasSigYy1Tt2"  # an Azure SAS sig
-CREDENTIALS = (TOKEN, SK, AWS_SK, SIG, GOOG, SAS, TOKEN[:9], TOKEN[9:])
+CREDENTIALS = (TOKEN, SK, AWS_SK, HUB, ORIGIN_KEY, SIG, GOOG, SAS, TOKEN[:9], TOKEN[9:])
 LM = "Mon, 01 Jan 2024 00:00:00 GMT"
 DIGITS = 5000  # past int()'s 4,300-digit limit
 SMALL = bytes(range(256)) * 400  # 102,400 bytes
@@ -84,7 +86,15 @@ def proxy(origin, tmp_path: Path, request):
         "1",
         "--log-level",
         level,
-        env={"AWS_SECRET_ACCESS_KEY": AWS_SK},
+        "--upstream-auth",
+        "env:HOSTILE_TEST_HUB",
+        "--upstream-header",
+        "data=X-Origin-Key:env:HOSTILE_TEST_KEY",
+        env={
+            "AWS_SECRET_ACCESS_KEY": AWS_SK,
+            "HOSTILE_TEST_HUB": HUB,
+            "HOSTILE_TEST_KEY": ORIGIN_KEY,
+        },
     ).start()
     yield p
     p.stop()
@@ -309,6 +319,7 @@ def test_no_credential_reaches_the_log(proxy):
         f"Signature={SIG}&Expires=1&Key-Pair-Id=K",
         f"password={SK}",
         f"x={TOKEN}",  # an unknown parameter: the known value is still caught
+        f"y={HUB}&z={ORIGIN_KEY}",
     ]
     auths = [
         f"Bearer {TOKEN}\x00",
@@ -332,7 +343,7 @@ def test_no_credential_reaches_the_log(proxy):
     for auth in auths:
         for method, path in (("DELETE", "/-/cache"), ("POST", "/-/prefetch"), ("GET", "/data")):
             sent.append(request(port, path, f"Authorization: {auth}", method=method))
-    for header in ("X-Amz-Security-Token", "Cookie", "Proxy-Authorization", "X-Api-Key"):
+    for header in ("X-Amz-Security-Token", "Cookie", "Proxy-Authorization", "X-Origin-Key"):
         sent.append(request(port, "/small.tar", f"{header}: {TOKEN}\x00"))
         sent.append(request(port, "/small.tar", f"{header}: {TOKEN}" + "B" * 9000))
     stamp = f"{now:%Y%m%dT%H%M%SZ}"
@@ -390,6 +401,8 @@ def test_redactor_shapes_and_known_secrets():
     }
     for text, want in cases.items():
         assert r(text) == want, text
+    r = Redactor([], fields=["X-Origin-Key"])  # an --upstream-header field
+    assert r("sent x-origin-key: abc to h") == "sent x-origin-key: [REDACTED]"
 
 
 def test_client_errors_filter_keeps_real_bugs_at_error():
