@@ -217,6 +217,36 @@ def test_other_numeric_fields_are_client_errors(proxy):
     assert_quiet(settle(proxy))
 
 
+def test_range_readings_of_absurd_digit_counts():
+    """The pure readings behind the answers above: parse_range gives a position of any
+    length its value; range_start (the cold shortcut) leaves an over-long or non-ASCII
+    spec to the download; parse_decimal and parse_content_range refuse what int()
+    cannot read."""
+    from proxy.policy import parse_range, range_start
+    from shardcache.errors import RangeNotSatisfiable
+    from shardcache.meta import parse_content_range, parse_decimal
+
+    z, n = "0" * DIGITS, "9" * DIGITS
+    r = parse_range(f"bytes={z}7-{z}9", 100)
+    assert (r.start, r.end) == (7, 9)
+    r = parse_range(f"bytes=10-{n}", 100)
+    assert (r.start, r.end) == (10, 99)
+    r = parse_range(f"bytes=-{n}", 100)
+    assert (r.start, r.end) == (0, 99)
+    for spec in (f"{n}-", f"{n}-0", "\xb2-", "1-\u0663"):
+        with pytest.raises(RangeNotSatisfiable) as ei:
+            parse_range(f"bytes={spec}", 100)
+        assert len(str(ei.value)) < 200
+    assert range_start("bytes=5000000-") == 5000000
+    assert range_start(f"bytes={z}5000000-") is None  # not forwarded as written
+    assert range_start("bytes=\xb2-") is None
+    assert parse_decimal(z + "12") == 12 and parse_decimal(n) is None
+    assert parse_decimal("\xb2") is None and parse_decimal("1 2") is None
+    for value in (f"bytes 0-{n}/*", f"bytes 0-1/{n}", "bytes \u0660-\u0661/2"):
+        with pytest.raises(ValueError):
+            parse_content_range(value)
+
+
 def test_listing_parameters_of_absurd_digit_counts_are_400():
     """The S3 front's max-keys (a listing of an S3-backed bucket) of thousands of digits,
     or of digits that are not ASCII, is InvalidArgument."""
