@@ -193,7 +193,9 @@ class ObjectMeta:
             chunked = "chunked" in (headers.get("Transfer-Encoding") or "").lower()
             if length is not None and not chunked:
                 size = parse_decimal(length)
-            close_delimited = length is None and not chunked and status == 200
+            # no Content-Length, or one that is not a number (which http.client, too,
+            # reads as none: the body runs to the close)
+            close_delimited = size is None and not chunked and status == 200
         return cls(
             size=size,
             etag=headers.get("ETag"),

@@ -19,9 +19,11 @@ bug stays an ERROR with its traceback, redacted.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import re
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -121,6 +123,20 @@ def exchange(port: int, data: bytes, timeout: float = 10) -> tuple[int | None, b
     head, _, body = raw.partition(b"\r\n\r\n")
     m = re.match(rb"HTTP/1\.[01] (\d{3})", head)
     return (int(m.group(1)) if m else None), head, body
+
+
+def dechunk(body: bytes) -> bytes:
+    """A chunked body's payload; AssertionError unless it ends with the last chunk."""
+    out = []
+    while True:
+        size_line, sep, body = body.partition(b"\r\n")
+        assert sep, "the chunked body broke off"
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            return b"".join(out)
+        out.append(body[:size])
+        assert body[size : size + 2] == b"\r\n"
+        body = body[size + 2 :]
 
 
 def request(port: int, target: str, *headers: str, method: str = "GET") -> bytes:
@@ -245,6 +261,76 @@ def test_range_readings_of_absurd_digit_counts():
     for value in (f"bytes 0-{n}/*", f"bytes 0-1/{n}", "bytes \u0660-\u0661/2"):
         with pytest.raises(ValueError):
             parse_content_range(value)
+
+
+class BadLengthOrigin:
+    """An origin whose every answer is a 200 with ``Content-Length: <length>`` (not a
+    number), 1,000 bytes and a close: raw sockets, as no server library sends that."""
+
+    BODY = b"z" * 1000
+
+    def __init__(self, length: bytes) -> None:
+        self.length = length
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(1 << 16)
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Length: " + self.length + b'\r\nETag: "e"\r\n'
+                    b"Last-Modified: " + LM.encode() + b"\r\nConnection: close\r\n\r\n" + self.BODY
+                )
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize(
+    "transport",
+    [("--http-transport", "threads"), ("--http-transport", "aiohttp"), ("--http-parts", "on")],
+    ids=["threads", "aiohttp", "parts"],
+)
+def test_an_upstream_length_that_is_no_number_is_never_committed(tmp_path, transport):
+    """An upstream's Content-Length of thousands of digits, or not a number at all, makes
+    a body that runs to the close (as http.client reads it) or a 502 (aiohttp's parser):
+    never an internal error, and never an entry, as the end cannot be confirmed."""
+    for i, length in enumerate((b"9" * DIGITS, b"\xc2\xb2", b"12x")):
+        origin = BadLengthOrigin(length)
+        p = ProxyProcess(
+            tmp_path / f"cache{i}",
+            "--upstream",
+            origin.url,
+            *transport,
+            "--retries",
+            "0",
+            "--grace-period",
+            "1",
+            "--min-free",
+            "0",
+            "--cache-size",
+            "1G",
+        ).start()
+        try:
+            status, head, body = get(p.port, "/x.tar")
+            assert status in (200, 502), (length[:8], head)
+            if status == 200:
+                if b"transfer-encoding: chunked" in head.lower():
+                    body = dechunk(body)
+                assert body == BadLengthOrigin.BODY
+            time.sleep(0.3)
+            stats = json.loads(get(p.port, "/-/stats")[2])
+            assert stats["entries"] == 0, (length[:8], stats)
+        finally:
+            log = settle(p)
+            origin.close()
+        assert_quiet(log)
 
 
 def test_listing_parameters_of_absurd_digit_counts_are_400():
