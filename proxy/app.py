@@ -25,6 +25,7 @@ from proxy.config import Settings
 from proxy.credentials import Credentials
 from proxy.hits import HitTier
 from proxy.inflight import Download, DownloadFailed, Inflight, State
+from proxy.logs import clip
 from proxy.metrics import ProxyMetrics
 from proxy.plans import PLAN_HEADER, Plans, Scheduler
 from proxy.policy import (
@@ -386,7 +387,7 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
             '%s "%s %s" %d %s %d %.3fs%s',
             request.remote,
             request.method,
-            request.raw_path,
+            clip(request.raw_path),
             status,
             cache,
             nbytes,
@@ -1261,8 +1262,9 @@ def _require_admin(request: web.Request) -> None:
     if not auth:
         raise ProxyError("admin token required (Authorization: Bearer <token>)", status_hint=401)
     scheme, _, given = auth.partition(" ")
+    # the header's bytes that are not UTF-8 arrive as surrogates: compare them as sent
     if scheme.lower() != "bearer" or not hmac.compare_digest(
-        given.strip().encode(), token.encode()
+        given.strip().encode("utf-8", "surrogateescape"), token.encode()
     ):
         raise Forbidden("wrong admin token")
 

@@ -46,6 +46,9 @@ def _serve_command(args: argparse.Namespace) -> int:
         print(f"shardcache serve: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    from proxy import logs
+
+    logs.install(settings)  # no credential in any line, no client's flood at ERROR
     return serve(settings)
 
 

@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from urllib.parse import quote, unquote, urlsplit
 
 from shardcache.errors import BadRequest, Forbidden, NotFound, RangeNotSatisfiable
-from shardcache.meta import is_strong_etag
+from shardcache.meta import is_strong_etag, parse_decimal
 
 __all__ = [
     "parse_min_free",
@@ -387,14 +387,19 @@ def _single_byte_range(header: str) -> str | None:
 def range_start(header: str) -> int | None:
     """Where the one byte range of a ``Range`` header starts, before the object's size is
     known: -1 for a suffix range, None when the header is not one byte range (several, or
-    another unit) or its start is not a number."""
+    another unit) or its start is not a sane number. A spec longer than two positions
+    of any object's size needs is None too, so that it is never forwarded upstream as
+    written: the download serves it, and answers 416 where it is invalid."""
     spec = _single_byte_range(header)
-    if spec is None:
+    if spec is None or len(spec) > _MAX_RANGE_SPEC:
         return None
     first = spec.partition("-")[0].strip()
     if not first:
         return -1
-    return int(first) if first.isdigit() else None
+    return parse_decimal(first)
+
+
+_MAX_RANGE_SPEC = 48  # two positions of 18 digits, with room for spaces
 
 
 def parse_range(header: str | None, size: int) -> ByteRange | None:
@@ -403,31 +408,52 @@ def parse_range(header: str | None, size: int) -> ByteRange | None:
     Returns None to serve the whole object (no Range, another unit, or several ranges),
     a clipped :class:`ByteRange` for a satisfiable single range, and raises
     :class:`RangeNotSatisfiable` (416) for an unsatisfiable or invalid byte range.
+
+    A position of more digits than any object's size has (``bytes=99…9-``, thousands of
+    digits) means what its value means: a first byte past the end is unsatisfiable, a
+    last byte or a suffix length past the end is clipped to the object.
     """
     if header is None:
         return None
     spec = _single_byte_range(header)
     if spec is None:
         return None
+    shown = _shown(header)
     m = _SPEC_RE.match(spec)
     if not m or (not m.group(1) and not m.group(2)):
-        raise RangeNotSatisfiable(f"invalid range {header.strip()!r}")
+        raise RangeNotSatisfiable(f"invalid range {shown}")
     first, last = m.groups()
     if not first:  # suffix range: the last N bytes
-        n = int(last)
+        n = _position(last)
         if n == 0 or size == 0:
-            raise RangeNotSatisfiable(f"range {header.strip()!r} not satisfiable for {size} bytes")
+            raise RangeNotSatisfiable(f"range {shown} not satisfiable for {size} bytes")
         return ByteRange(max(0, size - n), size - 1, size)
-    start = int(first)
+    start = _position(first)
     if last:
-        end = int(last)
+        end = _position(last)
         if end < start:
-            raise RangeNotSatisfiable(f"invalid range {header.strip()!r}: end before start")
+            raise RangeNotSatisfiable(f"invalid range {shown}: end before start")
     else:
         end = size - 1
     if start >= size:
-        raise RangeNotSatisfiable(f"range {header.strip()!r} starts past the end ({size} bytes)")
+        raise RangeNotSatisfiable(f"range {shown} starts past the end ({size} bytes)")
     return ByteRange(start, min(end, size - 1), size)
+
+
+_PAST_ANY_OBJECT = 1 << 63
+
+
+def _position(digits: str) -> int:
+    """A byte position of ASCII digits (checked by the caller's pattern): its value, or
+    a number past any object when it has more digits than a size can have."""
+    n = parse_decimal(digits)
+    return _PAST_ANY_OBJECT if n is None else n
+
+
+def _shown(header: str, limit: int = 64) -> str:
+    """A header value quoted for a one-line error message, cut short when it is long."""
+    text = header.strip()
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"
 
 
 def _parse_http_date(value: str | None) -> datetime | None:

@@ -37,6 +37,7 @@ from yarl import URL
 from proxy.upstream.s3 import S3Upstream
 from proxy.upstream.s3url import join_key, parse_s3_url
 from shardcache.errors import ProxyError, error_answer, s3_code_for_status
+from shardcache.meta import parse_decimal
 
 log = logging.getLogger(__name__)
 
@@ -196,9 +197,10 @@ def _int_param(query: Mapping[str, str], name: str, default: int, lo: int, hi: i
     raw = query.get(name)
     if raw is None or raw == "":
         return default
-    if not raw.isdigit():
+    value = parse_decimal(raw)
+    if value is None:
         raise S3Error(400, "InvalidArgument", f"{name} must be a non-negative integer")
-    return max(lo, min(hi, int(raw)))
+    return max(lo, min(hi, value))
 
 
 # past every key that starts with a common prefix: where a V1 listing resumes after one
@@ -407,9 +409,10 @@ def verify_sigv4(
         raise S3Error(403, "SignatureDoesNotMatch", "credential date does not match X-Amz-Date")
     if presigned:
         expires = qd.get("X-Amz-Expires", "")
-        if not expires.isdigit() or int(expires) > MAX_PRESIGN_EXPIRES:
+        seconds = parse_decimal(expires)
+        if seconds is None or seconds > MAX_PRESIGN_EXPIRES:
             raise S3Error(403, "AuthorizationQueryParametersError", "bad X-Amz-Expires")
-        if now > when + dt.timedelta(seconds=int(expires)):
+        if now > when + dt.timedelta(seconds=seconds):
             raise S3Error(
                 403,
                 "AccessDenied",

@@ -19,9 +19,27 @@ __all__ = [
     "md5_from_headers",
     "origin_headers",
     "parse_content_range",
+    "parse_decimal",
 ]
 
-_CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
+_CONTENT_RANGE = re.compile(r"^\s*bytes\s+([0-9]+)-([0-9]+)/([0-9]+|\*)\s*$", re.IGNORECASE)
+_DECIMAL = re.compile(r"[0-9]+")
+MAX_DIGITS = 18  # 10**18 bytes, an exabyte: past any object's size or offset
+
+
+def parse_decimal(text: str) -> int | None:
+    """A header field's non-negative decimal number, or None when the text is not one.
+
+    Only ASCII digits count (``str.isdigit`` also accepts ``'²'``, which ``int`` then
+    refuses), and leading zeros do not. A number of more than :data:`MAX_DIGITS`
+    significant digits is None as well: it is past any object's size, and past about
+    4,300 digits ``int`` raises instead of converting, so a client or an upstream could
+    otherwise turn one header into an internal error."""
+    t = text.strip()
+    if not _DECIMAL.fullmatch(t):
+        return None
+    t = t.lstrip("0") or "0"
+    return int(t) if len(t) <= MAX_DIGITS else None
 
 
 def is_strong_etag(etag: str | None) -> bool:
@@ -34,11 +52,17 @@ def parse_content_range(value: str | None) -> tuple[int, int, int | None]:
     ValueError naming the value when it is not one."""
     m = _CONTENT_RANGE.match(value or "")
     if not m:
-        raise ValueError(f"bad Content-Range {value!r}")
-    first, last = int(m.group(1)), int(m.group(2))
-    size = None if m.group(3) == "*" else int(m.group(3))
-    if last < first or (size is not None and last >= size):
-        raise ValueError(f"bad Content-Range {value!r}")
+        raise ValueError(f"bad Content-Range {(value or '')[:100]!r}")
+    first, last = parse_decimal(m.group(1)), parse_decimal(m.group(2))
+    size = None if m.group(3) == "*" else parse_decimal(m.group(3))
+    if (
+        first is None
+        or last is None
+        or (m.group(3) != "*" and size is None)
+        or last < first
+        or (size is not None and last >= size)
+    ):
+        raise ValueError(f"bad Content-Range {(value or '')[:100]!r}")
     return first, last, size
 
 
@@ -167,9 +191,11 @@ class ObjectMeta:
         else:
             length = headers.get("Content-Length")
             chunked = "chunked" in (headers.get("Transfer-Encoding") or "").lower()
-            if length is not None and length.strip().isdigit() and not chunked:
-                size = int(length)
-            close_delimited = length is None and not chunked and status == 200
+            if length is not None and not chunked:
+                size = parse_decimal(length)
+            # no Content-Length, or one that is not a number (which http.client, too,
+            # reads as none: the body runs to the close)
+            close_delimited = size is None and not chunked and status == 200
         return cls(
             size=size,
             etag=headers.get("ETag"),

@@ -1,0 +1,289 @@
+"""What the daemon's log may say about a request: no credential, and no flood from a
+client.
+
+Two logging filters, installed once where the daemon sets up logging (:func:`install`):
+
+- :class:`Redact`, on every handler: any line, at any level, with its traceback, has
+  credentials replaced by ``[REDACTED]`` before it is written. It knows the secrets the
+  proxy was given (``--admin-token``, ``--s3-front-secret-key``, the password of an
+  upstream URL, the AWS secret of the environment) and the shapes credentials take in
+  requests: ``Authorization`` and other credential header fields, ``Bearer`` tokens,
+  SigV4 ``Credential=``/``Signature=``, the signature and token parameters of presigned
+  URLs (``X-Amz-Signature``, ``X-Goog-Signature``, ``sig``, ...) and passwords in URLs.
+  The access log writes every request's raw target, so a presigned query is redacted
+  there too.
+- :class:`ClientErrors`, on aiohttp's ``aiohttp.server`` logger: aiohttp logs a request
+  it cannot parse (a bad request line, a header too large, a NUL or CR in a header
+  value) at ERROR with a traceback whose message quotes the offending bytes, so any
+  client could flood the log at ERROR and have its headers (a token among them) written
+  out. Such a line becomes one INFO line without the bytes, at most :data:`PER_SECOND`
+  a second per kind of error, the rest counted and the count given on the next line.
+  What is not a client's malformed request (an exception in a handler: a bug) stays
+  at ERROR with its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+from urllib.parse import quote, quote_plus, urlsplit
+
+__all__ = ["PER_SECOND", "ClientErrors", "Redact", "clip", "install", "redact"]
+
+REDACTED = "[REDACTED]"
+PER_SECOND = 5  # lines a second per kind of malformed request; the rest are counted
+MAX_LOGGED = 2048  # characters of a request target the access log writes
+MIN_SECRET = 4  # shorter secrets are only caught by their shape (a 1-char token would
+# otherwise blank that character everywhere)
+
+# header fields whose whole value is a credential, as a header line, a repr of one, or
+# a dict item: ``Authorization: x``, ``b'Authorization: x'``, ``'authorization': 'x'``
+_FIELDS = (
+    r"authorization|proxy-authorization|x-amz-security-token|x-goog-api-key|x-api-key"
+    r"|api-key|cookie|set-cookie|x-auth-token"
+)
+# query and attribute parameters whose value is a credential (presigned URLs of S3, GCS
+# and Azure, CloudFront signed URLs, SigV4 Authorization attributes, OAuth-style tokens)
+_PARAMS = (
+    r"x-amz-signature|x-amz-credential|x-amz-security-token|x-goog-signature"
+    r"|x-goog-credential|signature|sig|credential|awsaccesskeyid|googleaccessid"
+    r"|key-pair-id|policy|token|access_token|id_token|refresh_token|api_key|apikey"
+    r"|api-key|password|passwd|secret|client_secret|x-auth-token"
+)
+_FIELD_RE = re.compile(
+    # a credential header field and its value, up to a quote or the line's end
+    rf"(?P<keep>\b(?:{_FIELDS})['\"]?\s*[:=]\s*['\"]?)[^'\"\r\n]+",
+    re.IGNORECASE,
+)
+_BEARER_RE = re.compile(r"(?P<keep>\bbearer\s+)[^\s'\",]+", re.IGNORECASE)
+_PARAM_NAMES = frozenset(_PARAMS.split("|"))
+# any parameter (at the start, after ?&; or a comma or space) and its value; the name is
+# looked up in _PARAM_NAMES (one pass over the line, not one per name)
+_PARAM_RE = re.compile(r"(?<![^?&;,\s])(?P<name>[A-Za-z][\w-]*)=(?P<value>[^&;,\s'\"]*)")
+# the password of a URL: scheme://user:password@host
+_USERINFO_RE = re.compile(r"(?P<keep>://[^/\s:@'\"]*:)[^/\s@'\"]+(?=@)")
+
+
+def _keep_name(m: re.Match[str]) -> str:
+    return m.group("keep") + REDACTED
+
+
+def _param(m: re.Match[str]) -> str:
+    name = m.group("name")
+    return f"{name}={REDACTED}" if name.lower() in _PARAM_NAMES else m.group(0)
+
+
+_FIELD_NAMES = tuple(_FIELDS.split("|"))
+
+
+def redact(text: str) -> str:
+    """``text`` with credentials of a known shape replaced (no secret values known).
+
+    Each shape's regex runs only when the line holds its literal trigger: most lines,
+    the access log's among them, hold none, and testing for them costs a small part of
+    what the regexes would."""
+    lower = text.lower()
+    equals, colon = "=" in lower, ":" in lower
+    if (equals or colon) and any(name in lower for name in _FIELD_NAMES):
+        text = _FIELD_RE.sub(_keep_name, text)
+    if "bearer" in lower:
+        text = _BEARER_RE.sub(_keep_name, text)
+    if equals:
+        text = _PARAM_RE.sub(_param, text)
+    if "://" in lower and "@" in lower:
+        text = _USERINFO_RE.sub(_keep_name, text)
+    return text
+
+
+def clip(text: str, limit: int = MAX_LOGGED) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was: a client's 8 KiB
+    request target costs the log (and its redaction) no more than a long URL does."""
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
+
+
+class Redactor:
+    """Replaces credentials in text: the known ``secrets`` wherever they appear (also
+    percent-encoded), and anything in a credential's shape."""
+
+    def __init__(self, secrets: Iterable[str | None] = (), fields: Iterable[str] = ()) -> None:
+        forms: set[str] = set()
+        for secret in secrets:
+            if secret and len(secret) >= MIN_SECRET:
+                forms.update({secret, quote(secret, safe=""), quote_plus(secret)})
+        self.secrets = sorted(forms, key=len, reverse=True)  # longest first
+        # header fields of the operator's own (--upstream-header) beside the known ones
+        self.fields = tuple(sorted({f.lower() for f in fields} - set(_FIELD_NAMES)))
+        self._fields_re = (
+            re.compile(
+                rf"(?P<keep>\b(?:{'|'.join(map(re.escape, self.fields))})['\"]?\s*[:=]\s*['\"]?)"
+                r"[^'\"\r\n]+",
+                re.IGNORECASE,
+            )
+            if self.fields
+            else None
+        )
+
+    def __call__(self, text: str) -> str:
+        for secret in self.secrets:
+            if secret in text:
+                text = text.replace(secret, REDACTED)
+        if self._fields_re is not None:
+            lower = text.lower()
+            if any(f in lower for f in self.fields):
+                text = self._fields_re.sub(_keep_name, text)
+        return redact(text)
+
+
+class Redact(logging.Filter):
+    """A handler filter: the record's message, traceback and stack, redacted.
+
+    The message is formatted here (arguments merged) so that a credential inside an
+    argument is caught, and the traceback is formatted here so that the exception's
+    text (aiohttp quotes a bad header line in it) is redacted before any formatter
+    writes it."""
+
+    def __init__(self, redactor: Redactor) -> None:
+        super().__init__()
+        self.redactor = redactor
+        self._formatter = logging.Formatter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad format string: log what there is
+            message = f"{record.msg!r} {record.args!r}"
+        record.msg, record.args = self.redactor(message), None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self._formatter.formatException(record.exc_info)
+        record.exc_info = None  # the text below is what gets written
+        if record.exc_text:
+            record.exc_text = self.redactor(record.exc_text)
+        if record.stack_info:
+            record.stack_info = self.redactor(record.stack_info)
+        return True
+
+
+class RateLimit:
+    """At most ``per_second`` events a second per kind; counts what it refuses."""
+
+    def __init__(
+        self, per_second: int = PER_SECOND, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.per_second = per_second
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._windows: dict[str, tuple[float, int, int]] = {}  # kind -> start, used, refused
+
+    def allow(self, kind: str) -> tuple[bool, int]:
+        """(whether to log this one, how many of this kind were refused since the last
+        one logged)."""
+        now = self.clock()
+        with self._lock:
+            start, used, refused = self._windows.get(kind, (now, 0, 0))
+            if now - start >= 1.0:
+                start, used = now, 0
+            if used >= self.per_second:
+                self._windows[kind] = (start, used, refused + 1)
+                return False, 0
+            self._windows[kind] = (start, used + 1, 0)
+            return True, refused
+
+
+class ClientErrors(logging.Filter):
+    """A filter on the ``aiohttp.server`` logger: a request aiohttp could not parse is
+    the client's error, so it is logged as one INFO line without traceback and without
+    the request's bytes, rate-limited per kind; every other record passes unchanged."""
+
+    def __init__(self, limit: RateLimit | None = None) -> None:
+        super().__init__()
+        self.limit = limit or RateLimit()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True  # not a malformed request: a handler's bug stays an ERROR
+        level = min(record.levelno, logging.INFO)
+        if not logging.getLogger(record.name).isEnabledFor(level):
+            return False
+        kind = type(exc).__name__
+        allowed, refused = self.limit.allow(kind)
+        if not allowed:
+            return False
+        remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+        more = f" ({refused} more like it not logged)" if refused else ""
+        record.msg = "malformed request from %s: %s: %s%s"
+        record.args = (remote, kind, _reason(exc), more)
+        record.levelno, record.levelname = level, logging.getLevelName(level)
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
+def _reason(exc: BaseException) -> str:
+    """What the parser found wrong, without the bytes it quotes: the first line of its
+    message, cut before a quoted ``b'...'``, at most 100 characters."""
+    text = str(getattr(exc, "message", "") or exc).strip().splitlines()
+    first = text[0] if text else ""
+    for quoted in ("b'", 'b"', "bytearray("):
+        first = first.partition(quoted)[0]
+    return first.rstrip(" :.")[:100] or "unparsable"
+
+
+def secrets_of(settings: object) -> list[str]:
+    """The secret values among the daemon's settings and environment: the admin token,
+    the S3 front's secret key, passwords in upstream URLs, the AWS secrets the S3
+    upstreams sign with and the upstream credentials (``--upstream-auth``,
+    ``--upstream-header``) as they read now."""
+    found: list[str] = []
+    for name in ("admin_token", "s3_front_secret_key"):
+        value = getattr(settings, name, None)
+        if isinstance(value, str):
+            found.append(value)
+    for upstream in getattr(settings, "upstreams", None) or ():
+        try:
+            password = urlsplit(getattr(upstream, "base", str(upstream))).password
+        except ValueError:
+            password = None
+        if password:
+            found.append(password)
+    for var in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+        if os.environ.get(var):
+            found.append(os.environ[var])
+    for credential in _upstream_credentials(settings):
+        try:
+            found.append(credential.source.read())
+        except (ValueError, AttributeError):  # unreadable now: its shape still redacts it
+            pass
+    return found
+
+
+def _upstream_credentials(settings: object) -> list[Any]:
+    """The ``--upstream-auth`` and ``--upstream-header`` credentials of ``settings``."""
+    return [
+        *(getattr(settings, "upstream_auth", None) or ()),
+        *(getattr(settings, "upstream_headers", None) or ()),
+    ]
+
+
+def install(settings: object, extra_secrets: Iterable[str] = ()) -> None:
+    """Put :class:`Redact` on every handler of the root logger and :class:`ClientErrors`
+    on ``aiohttp.server``; once per process (a second call replaces the first's).
+
+    The secrets are those of the settings at startup (a credential file rotated later is
+    caught by its shape: its header field, or ``Bearer``)."""
+    fields = [str(getattr(c, "header", "")) for c in _upstream_credentials(settings)]
+    redactor = Redactor([*secrets_of(settings), *extra_secrets], [f for f in fields if f])
+    for handler in logging.getLogger().handlers:
+        for old in [f for f in handler.filters if isinstance(f, Redact)]:
+            handler.removeFilter(old)
+        handler.addFilter(Redact(redactor))
+    server = logging.getLogger("aiohttp.server")
+    for old in [f for f in server.filters if isinstance(f, ClientErrors)]:
+        server.removeFilter(old)
+    server.addFilter(ClientErrors())
