@@ -79,7 +79,7 @@ async def run_server(
             peer = web.TCPSite(runner, "127.0.0.1", 0)  # plain HTTP: loopback, workers only
             await peer.start()
             sockets = peer._server.sockets if peer._server is not None else ()
-            app[RUNTIME]["internal_port"] = sockets[0].getsockname()[1]
+            app[RUNTIME].internal_port = sockets[0].getsockname()[1]
             log.info("worker %d (pid %d) ready", worker, os.getpid())
             if ready is not None:
                 ready()

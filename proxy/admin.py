@@ -1,0 +1,191 @@
+"""The proxy's own routes: health and readiness, stats and gauges, prefetch and purge,
+and the admin-token rule for the mutating ones."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from aiohttp import web
+from braceexpand import braceexpand
+
+from proxy.context import (
+    HEALTH,
+    HITS,
+    INFLIGHT,
+    METRICS,
+    RUNTIME,
+    SCHEDULER,
+    SETTINGS,
+    STORE,
+    _error_response,
+)
+from proxy.policy import (
+    map_url,
+)
+from shardcache.errors import (
+    BadRequest,
+    Forbidden,
+    ProxyError,
+)
+
+log = logging.getLogger(__name__)
+MAX_PREFETCH = 100_000
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    health = request.app.get(HEALTH)
+    if health is None or health.writable:
+        return web.Response(text="ok\nstore: writable\n")
+    return web.Response(
+        text=f"ok\nstore: not writable ({health.error}); serving from the upstream uncached\n"
+    )
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    if runtime.ready:
+        return web.Response(text="ready\n")
+    why = runtime.not_ready or "starting: the store is being opened"
+    return _error_response(503, f"not ready: {why}")
+
+
+async def _refresh_gauges(app: web.Application) -> dict[str, Any]:
+    st = await asyncio.to_thread(app[STORE].stats)
+    m = app[METRICS]
+    m.cache_size.set(st["bytes"])
+    m.cache_entries.set(st["entries"])
+    m.cache_limit.set(st["limit"])
+    m.cache_effective_limit.set(st["effective_limit"])
+    return st
+
+
+async def _stats(request: web.Request) -> web.Response:
+    st = await _refresh_gauges(request.app)
+    m = request.app[METRICS]
+    t = m.totals()
+    total = t["hits"] + t["misses"]
+    body = {
+        "entries": st["entries"],
+        "bytes": st["bytes"],
+        "limit": st["limit"],
+        "reserved": st["reserved"],
+        "policy": st["policy"],
+        "in_flight": len(request.app[INFLIGHT]),
+        "downloads_all_processes": st["downloads"],
+        "hits": t["hits"],
+        "misses": t["misses"],
+        "hit_ratio": (t["hits"] / total) if total else 0.0,
+        "upstream_bytes": t["upstream_bytes"],
+        "served_bytes": t["served_bytes"],
+        "workers": request.app[SETTINGS].workers,
+        "pid": os.getpid(),
+        "store": {
+            **request.app[HEALTH].snapshot(),
+            "free_bytes": st["free_bytes"],
+            "min_free_bytes": st["min_free_bytes"],
+            "filesystem_bytes": st["filesystem_bytes"],
+            "effective_limit": st["effective_limit"],
+            "pending_access_records": request.app[STORE].pending_access(),
+        },
+        "ram_tier": {"entries": len(request.app[HITS]), "bytes": request.app[HITS].bytes},
+    }
+    return web.json_response(body)
+
+
+def loopback_only(host: str) -> bool:
+    """Whether listening on ``host`` accepts connections from this machine only."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name (or "" / 0.0.0.0 / ::): reachable from the network
+
+
+def _require_admin(request: web.Request) -> None:
+    settings = request.app[SETTINGS]
+    token = settings.admin_token
+    if not token:
+        if loopback_only(settings.host):
+            return
+        raise Forbidden(
+            f"mutating admin routes are disabled: this proxy listens on {settings.host} "
+            "without --admin-token; set --admin-token (env SHARDCACHE_ADMIN_TOKEN) and send "
+            "Authorization: Bearer <token>"
+        )
+    auth = request.headers.get("Authorization")
+    if not auth:
+        raise ProxyError("admin token required (Authorization: Bearer <token>)", status_hint=401)
+    scheme, _, given = auth.partition(" ")
+    # the header's bytes that are not UTF-8 arrive as surrogates: compare them as sent
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.strip().encode("utf-8", "surrogateescape"), token.encode()
+    ):
+        raise Forbidden("wrong admin token")
+
+
+def _canonical(request: web.Request, url: str) -> str:
+    s = request.app[SETTINGS]
+    if not isinstance(url, str) or not url:
+        raise BadRequest("each URL must be a non-empty string")
+    try:
+        return map_url(url, s.upstreams, s.allow_hosts, s.max_path_length)
+    except ProxyError as exc:
+        raise type(exc)(f"{url}: {exc}") from None
+
+
+def _expand(body: Any) -> Iterator[str]:
+    if not isinstance(body, dict):
+        raise BadRequest('body must be a JSON object {"urls": [...]} or {"pattern": "..."}')
+    if "urls" in body:
+        urls = body["urls"]
+        if not isinstance(urls, list):
+            raise BadRequest('"urls" must be a list of strings')
+        yield from urls
+    elif "pattern" in body:
+        pattern = body["pattern"]
+        if not isinstance(pattern, str):
+            raise BadRequest('"pattern" must be a string')
+        yield from braceexpand(pattern)
+    else:
+        raise BadRequest('body needs "urls" or "pattern"')
+
+
+async def _prefetch(request: web.Request) -> web.Response:
+    _require_admin(request)
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}") from None
+    urls: list[str] = []
+    for u in _expand(body):
+        if len(urls) >= MAX_PREFETCH:
+            raise BadRequest(f"more than {MAX_PREFETCH} URLs in one prefetch")
+        urls.append(_canonical(request, u))
+    app = request.app
+    store = app[STORE]
+    # What is cached when the request is answered is not fetched again, even if it is
+    # purged before the prefetch task gets to it.
+    todo = await asyncio.to_thread(
+        lambda: [u for u in dict.fromkeys(urls) if store.get(u, touch=False) is None]
+    )
+    app[SCHEDULER].prefetch(todo)
+    return web.json_response({"accepted": len(urls)}, status=202)
+
+
+async def _purge(request: web.Request) -> web.Response:
+    _require_admin(request)
+    store = request.app[STORE]
+    url = request.query.get("url")
+    if url is not None:
+        removed = int(await asyncio.to_thread(store.remove, _canonical(request, url)))
+    else:
+        removed = await asyncio.to_thread(store.clear)
+    return web.json_response({"removed": removed})

@@ -1,0 +1,155 @@
+"""The middleware around every request: the proxy's errors answered in one line (or an
+upstream's answer passed on as it was), the access log, and the request metrics (data
+requests apart from the proxy's own routes, clients' wait, read plans' progress)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.context import (
+    ADMIN_ROUTES,
+    METRICS,
+    T_ABORTED,
+    T_BYTES,
+    T_PLANS,
+    T_READY,
+    T_RESP,
+    T_START,
+    T_WAIT,
+    _error_response,
+    _forwarded,
+)
+from proxy.decide import XCache
+from proxy.inflight import DownloadFailed
+from proxy.logs import clip
+from proxy.s3front import S3_SERVICE_ROUTE
+from proxy.upstream.errors import PassedAnswer
+from shardcache.errors import (
+    MethodNotAllowed,
+    ProxyError,
+    error_answer,
+)
+
+log = logging.getLogger(__name__)
+
+
+access_log = logging.getLogger("shardcache.access")
+
+
+def _passed(exc: ProxyError, answer: PassedAnswer, method: str) -> web.Response:
+    """The upstream's answer as it was (status, end-to-end fields, body), uncached, with
+    the proxy's one-line account in ``X-Shardcache-Error``. A 401 becomes 403: the
+    upstream refused the proxy's own credentials, and the client must not be asked for
+    its own (they are not forwarded)."""
+    status = 403 if answer.status == 401 else answer.status
+    headers: CIMultiDict[str] = CIMultiDict(
+        (k, v) for k, v in answer.fields if k.lower() != "www-authenticate"
+    )
+    headers["X-Shardcache-Error"] = " ".join(str(exc).split())[:512]
+    if status < 400:
+        headers["X-Cache"] = XCache.BYPASS  # a success that is not the object: passed, uncached
+    body = None if method == "HEAD" or status in (204, 304) else answer.body
+    resp = web.Response(status=status, reason=answer.reason or None, body=body, headers=headers)
+    if method == "HEAD" and answer.body:
+        resp.headers["Content-Length"] = str(len(answer.body))
+    return resp
+
+
+@web.middleware
+async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
+    start = time.monotonic()
+    request[T_START] = start
+    request[T_BYTES] = 0
+    resp: web.StreamResponse | None = None
+    note = ""
+    try:
+        try:
+            resp = await handler(request)
+        except ProxyError as exc:
+            if isinstance(exc.answer, PassedAnswer):
+                resp = _passed(exc, exc.answer, request.method)
+            else:
+                headers = getattr(exc, "headers", None)
+                if isinstance(exc, MethodNotAllowed):
+                    headers = {"Allow": getattr(exc, "allow", "GET, HEAD")}
+                status, _ = error_answer(exc)
+                if status == 401:
+                    headers = {"WWW-Authenticate": 'Bearer realm="shardcache"'}
+                resp = _error_response(status, str(exc), headers)
+        except web.HTTPException as exc:
+            resp = _error_response(exc.status, exc.text or exc.reason, None)
+        except DownloadFailed as exc:  # failed before this response started
+            resp = _error_response(502, f"upstream failed: {exc}")
+        except ConnectionError:
+            note = " client-gone"
+            resp = request.get(T_RESP)
+            if resp is None:
+                raise
+        if request.get(T_ABORTED):
+            note = " aborted"
+        return resp
+    finally:
+        status = resp.status if resp is not None else 500
+        cache = (resp.headers.get("X-Cache") if resp is not None else None) or "NONE"
+        nbytes = request[T_BYTES]
+        if resp is not None and not resp.prepared and isinstance(resp, web.Response):
+            nbytes = 0 if request.method == "HEAD" else len(resp.body or b"")
+        duration = time.monotonic() - start
+        route = _service_route(request)
+        if _forwarded(request):
+            note += " for-worker"  # counted by the worker that received it
+        elif route is not None:
+            request.app[METRICS].observe_service(route, status)
+        else:
+            request.app[METRICS].observe_request(cache, status, nbytes)
+            _account_wait(request, nbytes)
+        access_log.log(
+            logging.DEBUG if route in PROBES and status < 400 else logging.INFO,
+            '%s "%s %s" %d %s %d %.3fs%s',
+            request.remote,
+            request.method,
+            clip(request.raw_path),
+            status,
+            cache,
+            nbytes,
+            duration,
+            note,
+        )
+
+
+PROBES = frozenset({"healthz", "readyz", "metrics"})  # logged at DEBUG when they pass
+
+
+def _account_wait(request: web.Request, nbytes: int) -> None:
+    """At the end of a data request: its stall and its read plans' progress."""
+    m = request.app[METRICS]
+    wait = request.get(T_WAIT, 0.0)
+    if wait:
+        m.client_wait.inc(wait)
+    plans = request.get(T_PLANS)
+    if not plans:
+        return
+    ready = request.get(T_READY, "miss")
+    m.plan_requests.labels(ready=ready).inc()
+    now = time.monotonic()
+    for plan in plans:
+        plan.wait_seconds += wait
+        plan.note_read(nbytes, now, hit=ready == "hit")
+
+
+def _service_route(request: web.Request) -> str | None:
+    """The proxy's own route a request went to (metrics, health, admin, S3 listings),
+    counted apart from data requests so that hit ratios count shard reads only; None for
+    a data request."""
+    path = request.path
+    if path == "/metrics":
+        return "metrics"
+    if path.startswith("/-/"):
+        name = path[3:].partition("/")[0]
+        return name if f"/-/{name}" in ADMIN_ROUTES else "other"
+    return request.get(S3_SERVICE_ROUTE)
