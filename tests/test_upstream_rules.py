@@ -8,7 +8,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.upstream.errors import s3_error, status_error
-from proxy.upstream.resume import backoff_delay, can_resume, next_try, range_headers, verify
+from proxy.upstream.resume import (
+    backoff_delay,
+    can_resume,
+    check_framing,
+    next_try,
+    range_headers,
+    verify,
+)
 from shardcache.errors import (
     BadRequest,
     DownloadFailed,
@@ -113,6 +120,47 @@ def test_verify_refuses_other_bytes(start, end, status, headers):
         verify(URL, TAGGED, start, end, status, headers)
     assert not isinstance(ei.value, ObjectChanged)
     assert URL in str(ei.value)
+
+
+@pytest.mark.parametrize("length", ["699", "701", "0", "7e2", "-700", "700, 700"])
+def test_verify_refuses_a_length_that_is_not_the_range(length):
+    """A 206 whose Content-Length is not its Content-Range span frames other bytes than
+    it names: shorter leaves the rest of the range on the wire, longer waits for bytes
+    the range does not hold. Refused before a byte is used, whatever else is right."""
+    headers = partial(300, 999, 1000, ETag='"v1"', **{"Content-Length": length})
+    with pytest.raises(UpstreamError) as ei:
+        verify(URL, TAGGED, 300, None, 206, headers)
+    assert not isinstance(ei.value, ObjectChanged)
+    assert "Content-Length" in str(ei.value) and URL in str(ei.value)
+    with pytest.raises(UpstreamError):
+        check_framing(URL, 206, headers)
+
+
+def test_a_length_equal_to_the_range_or_no_length_is_framing_that_agrees():
+    verify(
+        URL,
+        TAGGED,
+        300,
+        None,
+        206,
+        partial(300, 999, 1000, ETag='"v1"', **{"Content-Length": "700"}),
+    )
+    verify(URL, TAGGED, 300, None, 206, partial(300, 999, 1000, ETag='"v1"'))  # close-delimited
+    chunked = {"Transfer-Encoding": "chunked", "Content-Length": "5"}  # chunking frames it
+    verify(URL, TAGGED, 300, None, 206, partial(300, 999, 1000, ETag='"v1"', **chunked))
+    check_framing(URL, 200, {"Content-Length": "5"})  # a 200 has no range to disagree with
+
+
+@given(st.integers(0, 5_000), st.integers(0, 5_000), st.integers(0, 12_000))
+def test_an_accepted_206_is_framed_by_its_range(first, span, length):
+    headers = {"Content-Range": f"bytes {first}-{first + span}/15000", "ETag": '"v1"'}
+    headers["Content-Length"] = str(length)
+    meta = ObjectMeta(size=15_000, etag='"v1"')
+    try:
+        verify(URL, meta, first, first + span + 1, 206, headers)
+    except UpstreamError:
+        return
+    assert length == span + 1
 
 
 def test_from_byte_zero_any_answer_of_the_announced_size_will_do():

@@ -23,7 +23,7 @@ from proxy.upstream.aio import AioTransport
 from proxy.upstream.errors import REDIRECTS, UpstreamRedirect, status_error
 from proxy.upstream.file import FileTransport
 from proxy.upstream.parts import can_fetch_in_parts, parts_pump, parts_stream
-from proxy.upstream.resume import can_resume
+from proxy.upstream.resume import can_resume, check_framing
 from proxy.upstream.s3 import S3Transport, S3Upstream
 from proxy.upstream.stream import Policy, UpstreamBody, read, retrying
 from proxy.upstream.threaded import ThreadTransport, threadable
@@ -194,7 +194,14 @@ class Fetcher:
             return self._body(url, resp, meta)
         usable = False
         meta = ObjectMeta(size=None)
+        framed = True
         if resp.status == 206:
+            try:
+                check_framing(url, 206, resp.headers)
+            except UpstreamError as exc:
+                log.warning("%s", exc)
+                framed = False
+        if resp.status == 206 and framed:
             meta = ObjectMeta.from_headers(resp.headers, 206)
             try:
                 first, last, total = parse_content_range(resp.headers.get("Content-Range"))
@@ -206,7 +213,8 @@ class Fetcher:
                 usable = whole or can_fetch_in_parts(meta, self.part_size)
         if not usable:
             # 416 (an empty object), or a 206 the parts cannot be pinned to (no strong
-            # ETag, no total): the object again with a plain GET
+            # ETag, no total, framing that disagrees with itself): the object again
+            # with a plain GET
             log.debug("upstream %s answered %s to %s: plain GET", url, resp.status, header)
             resp.close()
             return None
@@ -281,6 +289,7 @@ class Fetcher:
                 exc = RangeNotSatisfiable(f"range {header!r} not satisfiable for {total} bytes")
                 exc.headers = {"Content-Range": f"bytes */{total}"}  # type: ignore[attr-defined]
                 raise exc
+            check_framing(url, resp.status, resp.headers)
             meta = ObjectMeta.from_headers(resp.headers, resp.status)
             if meta.size is None:
                 raise UpstreamError(f"upstream {url}: answered a range without the object's size")
@@ -295,7 +304,10 @@ class Fetcher:
                 brange = None
                 start, end = 0, meta.size
             else:
-                first, last, _ = parse_content_range(resp.headers.get("Content-Range"))
+                try:
+                    first, last, _ = parse_content_range(resp.headers.get("Content-Range"))
+                except ValueError as exc:
+                    raise UpstreamError(f"upstream {url}: {exc}") from None
                 if (first, last) != (wanted.start, wanted.end):
                     raise UpstreamError(
                         f"upstream {url}: asked {header!r}, got bytes {first}-{last}"

@@ -135,16 +135,20 @@ async def read(
                 async with contextlib.aclosing(it):  # type: ignore[type-var]
                     async for item in it:
                         n = item if sink is not None else len(item)
+                        trimmed = False
                         if end is not None and pos + n > end:
                             if sink is not None or first is None:
                                 raise UpstreamError(f"upstream {url}: more bytes than asked")
-                            item, n = item[: end - pos], end - pos
-                        pos += n
-                        if policy.on_bytes is not None:
-                            policy.on_bytes(n)
-                        yield item
-                        if end is not None and pos >= end:
+                            item, n, trimmed = item[: end - pos], end - pos, True
+                        if n:
+                            pos += n
+                            if policy.on_bytes is not None:
+                                policy.on_bytes(n)
+                            yield item
+                        if trimmed:
                             break
+                        # at ``end`` the body is read on to its own end: the transport
+                        # checks there that no byte follows what its framing declared
                 if end is not None and pos != end:
                     raise UpstreamCut(f"upstream {url}: body ended at byte {pos} of {end}")
                 return
