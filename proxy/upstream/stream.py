@@ -187,7 +187,12 @@ async def read(
 
 class UpstreamBody:
     """An upstream answer whose headers are in: the version (``meta``) and its bytes to
-    come, through :meth:`chunks` or :meth:`pump` (iterate one of them, once)."""
+    come, through :meth:`chunks` or :meth:`pump` (iterate one of them, once). ``order``:
+    a :class:`proxy.upstream.parts.PartsOrder` when :meth:`pump` writes parallel parts
+    at their offsets (readers may ask for a part first, and read it before the prefix
+    reaches it); else None."""
+
+    order: Any = None
 
     def __init__(
         self,
