@@ -889,7 +889,9 @@ class _DownloadBody(_Body):
             and dl.state is State.STREAMING
             and start > dl.written + DIRECT_RANGE_AHEAD
             and can_resume(dl.meta)
-            and not dl.reads_ahead  # parts: the part holding it is fetched next instead
+            # parts: the part holding it is fetched next instead (an object of one part
+            # is short to wait for)
+            and not (dl.reads_ahead or request.app[FETCHER].in_parts(dl.url))
             and request.app[SETTINGS].cold_range == "fast"
         ):
             # far ahead of the download: read this version's bytes straight from the

@@ -15,6 +15,7 @@ The origin records every request and the body bytes it sent (``Request.sent``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import time
@@ -175,5 +176,37 @@ def test_parts_answer_a_cold_range_before_the_prefix_arrives(origin, data, tmp_p
         assert r.ttfb is not None and r.ttfb < 0.6, f"first byte after {r.ttfb}s: " + ", ".join(
             f"{q.range} -> {q.status}" for q in origin.log(NAME, "GET")
         )
+    finally:
+        p.stop(timeout=10)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_a_range_far_ahead_of_a_running_download(origin, data, tmp_path, transport, mode):
+    """A client reads the whole object from a slow origin (4 MB/s per connection);
+    another asks 100 kB at 10 MiB meanwhile. Over one stream ``fast`` reads it from the
+    upstream (counted as ``reason="ahead"``), ``once`` waits for the download; in parts
+    its part is fetched next. Both answers exact; the origin sent the object once, plus
+    the range with ``fast`` over one stream."""
+    origin.add(NAME, versions=[Version(data, etag=ETAG_OLD, last_modified=LM_OLD)], rate=4e6)
+    p = start_proxy(tmp_path, origin, transport, mode)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(fetch, p.port, f"/{NAME}", timeout=30)
+            deadline = time.monotonic() + 5
+            while not origin.log(NAME, "GET") and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)
+            a = 10 * MiB
+            r = fetch(p.port, f"/{NAME}", headers={"Range": f"bytes={a}-{a + 99_999}"})
+            w = whole.result()
+        assert r.status == 206 and r.clean and r.body == data[a : a + 100_000], r.describe()
+        assert w.status == 200 and w.clean and w.body == data, w.describe()
+        wait_cached(p)
+        twice = mode == "fast" and transport != "parts"
+        assert sent(origin) == SIZE + (100_000 if twice else 0), [
+            (q.range, q.status, q.sent) for q in origin.log(NAME, "GET")
+        ]
+        assert extra_bytes(p, "ahead") == (100_000 if twice else 0)
     finally:
         p.stop(timeout=10)

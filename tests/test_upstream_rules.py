@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.upstream.errors import s3_error, status_error
+from proxy.upstream.parts import PartsOrder, plan_parts
 from proxy.upstream.resume import (
     backoff_delay,
     can_resume,
@@ -291,3 +292,32 @@ def test_answers_for_the_rest_of_the_tree():
     assert error_answer(DownloadFailed(URL, None)) == (502, "InternalError")
     assert error_answer(ProxyError("token", status_hint=401)) == (401, "AccessDenied")
     assert error_answer(ProxyError("no", status_hint=501)) == (501, "NotImplemented")
+
+
+# -- the order of parts ----------------------------------------------------------------------
+
+
+def test_parts_order_takes_the_preferred_parts_and_tells_what_is_ready():
+    """A reader's position picks the part holding it and the next; ``ready`` counts the
+    bytes on disk from a position across complete parts, never past a gap."""
+    order = PartsOrder()
+    order.prefer(2500)  # said before the pump knew its parts
+    assert not order.active and order.ready(2500) == 0
+    parts = plan_parts(10_000, 1000)
+    got = [0] * len(parts)
+    order._parts, order._got = parts, got
+    started = [True] + [False] * 9
+    assert order._next(started) == 2
+    started[2] = True
+    assert order._next(started) == 3
+    started[3] = True
+    assert order._next(started) is None  # the rest is the pump's order
+    order.prefer(7999)
+    order.prefer(7001)  # the same part: one entry
+    assert order.wanted == [2500, 7000]
+    assert order._next(started) == 7
+    got[2], got[3] = 1000, 400
+    assert order.ready(2500) == 500 + 400
+    assert order.ready(3400) == 0 and order.ready(1999) == 0
+    got[3] = 1000
+    assert order.ready(2000) == 2000  # part 4 not started: stops there

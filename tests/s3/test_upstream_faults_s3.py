@@ -251,3 +251,23 @@ def test_s3_total_that_changes_between_parts_is_an_error(origin, proxy, mode):
     data = os.urandom(SIZE)
     sc = _framing(origin, mode, data, total_skew=4096, total_skew_on="later-ranged")
     assert not _first_then_heal(origin, proxy, sc, data)
+
+
+# --- a cold range: once over the network (see tests/test_cold_range.py) ---------------------
+
+
+def test_s3_cold_range_is_fetched_once(origin, proxy, mode):
+    """``s3://`` is always fetched in parts: a cold range at 5 MiB of a 6 MiB object is
+    answered from the object's one download, whose first GET is the part holding it;
+    once cached, S3 sent the object's bytes once."""
+    size, a = 6 * 1024 * KiB, 5 * 1024 * KiB + 321
+    data = os.urandom(size)
+    origin.add(ORIGIN_PATH, versions=[Version(data, etag=ETAG_OLD, last_modified=LM_OLD)])
+    r = fetch(proxy.port, PROXY_PATH, headers={"Range": f"bytes={a}-"})
+    assert r.status == 206 and r.clean and r.body == data[a:], r.describe() + tail_of(proxy)
+    settle(proxy, timeout=20)
+    assert fetch(proxy.port, PROXY_PATH, "HEAD").headers.get("x-cache") == "HIT"
+    gets = origin.log(ORIGIN_PATH, "GET")
+    assert sum(g.sent for g in gets) == size, [(g.range, g.status, g.sent) for g in gets]
+    part = 64 * KiB if mode == "parts" else 8 * 1024 * KiB
+    assert gets[0].range_start == a - a % part, gets[0].range
