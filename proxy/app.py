@@ -1090,7 +1090,19 @@ async def _serve_cold(request: web.Request, url: str) -> web.StreamResponse | No
             return None  # running already, cached, or no writes: joined as usual
         try:
             dl.prefer(start)
-            return await _serve_download(request, dl, "MISS")
+            if dl.state is State.OPENING:
+                since = time.monotonic()
+                try:
+                    await dl.wait_headers()
+                finally:
+                    _waited(request, since)
+            if dl.state is not State.BYPASS:
+                return await _serve_download(request, dl, "MISS")
+            # not cached (too big, no-store...): nothing to fetch once for, and the
+            # whole object for a range would cost more than the range alone
+            body = dl.take_bypass_body()
+            if body is not None:
+                body.close()
         finally:
             dl.release()
     since = time.monotonic()

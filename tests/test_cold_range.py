@@ -210,3 +210,38 @@ def test_a_range_far_ahead_of_a_running_download(origin, data, tmp_path, transpo
         assert extra_bytes(p, "ahead") == (100_000 if twice else 0)
     finally:
         p.stop(timeout=10)
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_once_for_an_object_the_cache_does_not_take(origin, data, tmp_path, transport):
+    """With ``once`` (or parts) a cold range goes through the object's download; when
+    the store does not take the object (here: bigger than the cache), that download
+    is not kept, so the range is read alone from the upstream — not the whole object
+    streamed through for it (the origin at 20 MB/s per connection: the download's
+    opening GET, closed once the store said no, sends little)."""
+    origin.add(NAME, versions=[Version(data, etag=ETAG_OLD, last_modified=LM_OLD)], rate=20e6)
+    p = ProxyProcess(
+        tmp_path / "cache",
+        "--upstream",
+        origin.url,
+        *COMMON[: COMMON.index("--cache-size")],
+        "--cache-size",
+        "4MiB",
+        *TRANSPORTS[transport],
+        "--cold-range",
+        "once",
+    ).start()
+    try:
+        a = 10 * MiB
+        r = fetch(p.port, f"/{NAME}", headers={"Range": f"bytes={a}-{a + 99_999}"})
+        assert r.status == 206 and r.clean and r.body == data[a : a + 100_000], (
+            r.describe() + "\n" + tail_of(p)
+        )
+        settle(p)
+        got = sent(origin)
+        assert got < SIZE // 2, (
+            f"the origin sent {got} bytes for a 100 kB range of an uncached object: "
+            + ", ".join(f"{q.range} -> {q.status} {q.sent}" for q in origin.log(NAME, "GET"))
+        )
+    finally:
+        p.stop(timeout=10)
