@@ -20,6 +20,7 @@ from proxy.context import (
     HITS,
     METRICS,
     RUNTIME,
+    SETTINGS,
     T_BYTES,
     T_RESP,
     T_START,
@@ -253,10 +254,18 @@ class _DownloadBody(_Body):
             and dl.state is State.STREAMING
             and start > dl.written + DIRECT_RANGE_AHEAD
             and can_resume(dl.meta)
+            # parts: the part holding it is fetched next instead (an object of one part
+            # is short to wait for)
+            and not (dl.reads_ahead or request.app[FETCHER].in_parts(dl.url))
+            and request.app[SETTINGS].cold_range == "fast"
         ):
-            # far ahead of the download: read this version's bytes straight from the upstream
+            # far ahead of the download: read this version's bytes straight from the
+            # upstream (the download fetches them too: counted)
             chunks = request.app[FETCHER].read_range(dl.url, start, end, meta=dl.meta)
-            return await _ChunkBody(chunks, start).send(request, resp, start, end, first_byte)
+            extra = request.app[METRICS].upstream_extra_bytes.labels(reason="ahead")
+            return await _ChunkBody(_counted(chunks, extra), start).send(
+                request, resp, start, end, first_byte
+            )
 
         async def write(data: bytes) -> None:
             await resp.write(data)
@@ -383,3 +392,10 @@ async def _send_file(
 
 
 DIRECT_RANGE_AHEAD = 4 << 20  # a range this far past a download's bytes is read directly
+
+
+async def _counted(chunks: AsyncIterator[bytes], counter: Any) -> AsyncIterator[bytes]:
+    """``chunks``, their sizes added to ``counter`` as they pass."""
+    async for chunk in chunks:
+        counter.inc(len(chunk))
+        yield chunk

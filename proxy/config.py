@@ -535,6 +535,20 @@ SETTINGS: tuple[Setting, ...] = (
         _on_off,
     ),
     Setting(
+        "cold_range",
+        "fast",
+        "a Range starting 4 MiB or more into an object neither cached nor downloading, "
+        "over one stream: fast answers it from a ranged upstream GET beside the object's "
+        "download (first byte at ranged-GET latency; the range's bytes cross the network "
+        "twice, counted in shardcache_upstream_extra_bytes_total), once from the download "
+        "when it reaches the range (every byte once; the wait is the bytes before it). "
+        "fast by default: a reader seeking into a cold shard (a tar index, a resumed "
+        "transfer) is not held up by the whole prefix, and the extra bytes are the "
+        "range's only. With parts (s3://, --http-parts on) either way the download "
+        "fetches the part holding the range first and no byte crosses twice",
+        choices=("fast", "once"),
+    ),
+    Setting(
         "http_transport",
         UPSTREAM.http_transport,
         "how one http(s) stream is received: threads receives on blocking sockets in "
@@ -623,6 +637,7 @@ class Settings:
     part_size: int = DEFAULTS["part_size"]
     parallel: int = DEFAULTS["parallel"]
     http_parts: bool = DEFAULTS["http_parts"]
+    cold_range: str = DEFAULTS["cold_range"]
     http_transport: str = DEFAULTS["http_transport"]
     s3_endpoint_url: str | None = DEFAULTS["s3_endpoint_url"]
     s3_region: str | None = DEFAULTS["s3_region"]

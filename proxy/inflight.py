@@ -49,6 +49,7 @@ from shardcache.errors import (
     DownloadFailed,
     IncompleteDownloadError,
     ProxyError,
+    RangeNotSatisfiable,
     UpstreamError,
 )
 from shardcache.meta import MAX_STORED_HEADER_BYTES, ObjectMeta
@@ -105,6 +106,9 @@ class Download:
         self.headers: dict[str, str] = {}  # the first client's end-to-end request fields
         # passthrough: reads bytes [start, end) of this version from the upstream
         self._upstream_range: Callable[[int, int | None], Any] | None = None
+        # parallel parts written at their offsets: which to fetch first, how far each is
+        self._order: Any = None
+        self._preferred: list[int] = []
 
     # -- producer ------------------------------------------------------------------------
 
@@ -117,6 +121,15 @@ class Download:
         reads bytes of that version from the upstream (for passthrough)."""
         self.meta = meta
         self._upstream_range = upstream_range
+
+    def attach(self, body: UpstreamBody) -> None:
+        """The body about to be written: when it is parallel parts written at their
+        offsets, readers may have parts fetched first and read them ahead of the prefix."""
+        self._order = body.order
+        if self._order is not None:
+            self._order.notify = self._notify
+            for pos in self._preferred:
+                self._order.prefer(pos)
 
     def to_bypass(self, body: UpstreamBody, reason: str) -> None:
         """Not cached: ``body`` goes to the first client that asks for it."""
@@ -173,6 +186,33 @@ class Download:
     async def _wait(self) -> None:
         await self._changed.wait()
 
+    def prefer(self, pos: int) -> None:
+        """A reader needs byte ``pos`` (far ahead of the prefix, e.g. a cold Range):
+        downloaded in parts, the part holding it is fetched next (said before the
+        download opened, its first request asks for that part)."""
+        if self._order is not None:
+            self._order.prefer(pos)
+        elif pos not in self._preferred and self.state is State.OPENING:
+            self._preferred.append(pos)
+
+    @property
+    def first_preferred(self) -> int | None:
+        """The first byte a reader asked to have first, before the download opened."""
+        return self._preferred[0] if self._preferred else None
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether bytes far ahead of the prefix can come from this download soon (its
+        parts are written at their offsets and :meth:`prefer` reorders them)."""
+        return self._order is not None and self._order.active
+
+    def available(self, pos: int) -> int:
+        """How far the bytes on disk from ``pos`` reach: the written prefix, or beyond
+        it a part fetched ahead (while streaming)."""
+        if pos < self.written or self._order is None or self.state is not State.STREAMING:
+            return self.written
+        return max(self.written, pos + self._order.ready(pos))
+
     @property
     def known_size(self) -> int | None:
         """The object's size: from the upstream's headers, or once every byte is in."""
@@ -195,7 +235,9 @@ class Download:
 
     async def wait_beyond(self, pos: int) -> None:
         """Wait until byte ``pos`` is on disk, or the download ended either way."""
-        while self.written <= pos and self.state in (State.OPENING, State.STREAMING):
+        if self.written < pos:
+            self.prefer(pos)
+        while self.available(pos) <= pos and self.state in (State.OPENING, State.STREAMING):
             await self._wait()
 
     async def wait_verified(self) -> None:
@@ -264,7 +306,7 @@ class Download:
         fobj: Any = None
         try:
             while end is None or pos < end:
-                if self.written <= pos and self.state in (State.OPENING, State.STREAMING):
+                if self.available(pos) <= pos and self.state in (State.OPENING, State.STREAMING):
                     since = time.monotonic()
                     try:
                         await self.wait_beyond(pos)
@@ -281,7 +323,7 @@ class Download:
                         if on_wait is not None:
                             on_wait(since)
                     break
-                avail = self.written
+                avail = self.available(pos)
                 if avail <= pos:
                     # finished without more bytes: only a verified end of a whole object
                     # is clean
@@ -497,11 +539,12 @@ class Inflight:
         try:
             body, dl.opening = dl.opening, None
             if body is None:
-                body = await self.fetcher.open(dl.url, dl.headers)
+                body = await self._open(dl)
             meta = body.meta
             dl.opened(
                 meta, lambda start, end: self.fetcher.read_range(dl.url, start, end, meta=meta)
             )
+            dl.attach(body)
             partial, reason = await self._admit(dl, meta)
             if partial is None:
                 log.info("%s not cached (%s), streaming it through", dl.url, reason)
@@ -624,6 +667,18 @@ class Inflight:
             )
             return False
         return True
+
+    async def _open(self, dl: Download) -> UpstreamBody:
+        """The upstream body of ``dl``, starting (in parts) with the part its first
+        reader waits for. When the object ends before that byte, the reader's answer is
+        a 416 — unless other clients joined meanwhile: the object is theirs to have."""
+        at = dl.first_preferred
+        try:
+            return await self.fetcher.open(dl.url, dl.headers, at=at)
+        except RangeNotSatisfiable:
+            if at is None or dl.holders <= 2:  # this task and the reader that asked
+                raise
+            return await self.fetcher.open(dl.url, dl.headers)
 
     async def _admit(self, dl: Download, meta: ObjectMeta) -> tuple[Partial | None, str]:
         """A partial file for the download, or None and why it is not cached."""

@@ -9,6 +9,8 @@ Names (all prefixed ``shardcache_``)::
     response_bytes_total{cache}       body bytes sent to clients
     upstream_requests_total{outcome}  ok | not_found | error | timeout | resumed | aborted
     upstream_bytes_total              body bytes received from upstreams
+    upstream_extra_bytes_total{reason} ... of them fetched twice: cold_range (a cold Range
+                                      beside its download), ahead (a range far ahead of it)
     cache_size_bytes                  bytes in complete entries
     cache_limit_bytes                 the configured bound
     cache_effective_limit_bytes       the bound in force: the configured one, lowered while
@@ -81,6 +83,14 @@ class ProxyMetrics:
         )
         self.upstream_bytes = Counter(
             "shardcache_upstream_bytes_total", "Body bytes received from upstreams.", registry=r
+        )
+        self.upstream_extra_bytes = Counter(
+            "shardcache_upstream_extra_bytes_total",
+            "Body bytes received from upstreams that the object's download fetches as well "
+            "(cold_range: a cold Range answered from a ranged GET; ahead: a range far "
+            "ahead of its download).",
+            ["reason"],
+            registry=r,
         )
         latest = "livemostrecent"  # one shared store: every worker sees the same values
         self.cache_size = Gauge(

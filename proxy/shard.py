@@ -16,6 +16,7 @@ from proxy.answer import (
     DIRECT_RANGE_AHEAD,
     _answer,
     _ChunkBody,
+    _counted,
     _DownloadBody,
     _EntryBody,
     _NoBody,
@@ -315,9 +316,12 @@ _CONDITIONALS = (
 async def _serve_cold(request: web.Request, url: str) -> web.StreamResponse | None:
     """Answer a request for an object neither cached nor downloading without waiting
     for a download: HEAD from an upstream HEAD; a Range that starts past the first few
-    MiB from a ranged upstream GET (a 416 from the object's size, with no body fetched),
-    the download of the whole object starting meanwhile. None: the caller starts (or
-    joins) the download as usual."""
+    MiB, with ``--cold-range fast`` over one stream, from a ranged upstream GET (a 416
+    from the object's size, with no body fetched), the download of the whole object
+    starting meanwhile (the range's bytes counted as fetched twice); in parts, or with
+    ``once``, from the download it starts (parts: the one holding the range first).
+    None: the caller starts (or joins) the download as usual — also when the ranged
+    answer is unusable."""
     if request.method == "HEAD":
         since = time.monotonic()
         try:
@@ -337,19 +341,52 @@ async def _serve_cold(request: web.Request, url: str) -> web.StreamResponse | No
     start = _range_start(header)
     if start is None or 0 <= start < DIRECT_RANGE_AHEAD:
         return None
+    app = request.app
+    fetcher = app[FETCHER]
+    if start > 0 and (fetcher.in_parts(url) or app[SETTINGS].cold_range == "once"):
+        # every byte once: the range from the object's one download, which in parts
+        # fetches the part holding it first (after part 0, which tells the version)
+        dl = await _background(app, url, "demand", forwarded=_forwarded(request))
+        if dl is None:
+            return None  # running already, cached, or no writes: joined as usual
+        try:
+            dl.prefer(start)
+            if dl.state is State.OPENING:
+                since = time.monotonic()
+                try:
+                    await dl.wait_headers()
+                finally:
+                    _waited(request, since)
+            if dl.state is not State.BYPASS:
+                return await _serve_download(request, dl, XCache.MISS)
+            # not cached (too big, no-store...): nothing to fetch once for, and the
+            # whole object for a range would cost more than the range alone
+            body = dl.take_bypass_body()
+            if body is not None:
+                body.close()
+        finally:
+            dl.release()
     since = time.monotonic()
     try:
-        answer = await request.app[FETCHER].open_range(url, header)
+        answer = await fetcher.open_range(url, header)
+    except UpstreamError as exc:
+        # a ranged answer that is malformed or fails verification (a range past the
+        # object's end answered with a sloppy 206...): the download serves the range,
+        # or its 416, from the whole object instead
+        log.info("%s: ranged answer unusable, serving %r from the download: %s", url, header, exc)
+        return None
     finally:
         _waited(request, since)
     try:
         meta = answer.meta
-        if should_admit(meta.size, request.app[INFLIGHT].cache_size):
+        chunks = answer.body.chunks()
+        if should_admit(meta.size, app[INFLIGHT].cache_size):
             await _start_background(request, url)
+            # the download fetches these bytes as well
+            chunks = _counted(chunks, app[METRICS].upstream_extra_bytes.labels(reason="cold_range"))
         # the upstream's answer starts at the range's first byte, or at 0 when it ignored Range
         first = 0 if answer.brange is None else answer.wanted.start
-        source = _ChunkBody(answer.body.chunks(), first)
-        return await _answer(request, meta, XCache.MISS, meta.size, source)
+        return await _answer(request, meta, XCache.MISS, meta.size, _ChunkBody(chunks, first))
     finally:
         answer.body.close()
 

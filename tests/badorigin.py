@@ -15,6 +15,9 @@ faults to inject:
   then close), on the first GET, on every GET, or on full / ranged GETs only;
 - 206 answers that lie: a Content-Range starting elsewhere than asked (with the bytes of
   what it claims);
+- framing that disagrees with itself: a Content-Length other than the bytes sent, a
+  Content-Range total other than the size (``length_skew``, ``total_skew``); ranges not
+  fitted to the object (``sloppy_ranges``: a 206 naming bytes past its end);
 - framing: Content-Length, close-delimited (no length, no chunking, ``Connection:
   close``), or chunked, with a malformed chunk-size line (``zz``) at an object offset;
 - a fixed error status (401, 403, ...), with an S3 XML error body in S3 mode;
@@ -121,6 +124,19 @@ class Scenario:
     honor_if_none_match: bool = True
     # 206 answers that claim (and send) a range starting this far from the one asked
     range_shift: int = 0
+    # ranges not fitted to the object: a 206 whose Content-Range is the range asked even
+    # where it ends past the object (its body and Content-Length what there is), a
+    # range starting at or past the end answered 206 with no body instead of 416
+    sloppy_ranges: bool = False
+    # framing that disagrees with itself, on the answers ``length_skew_on`` selects (as
+    # cut_on): a Content-Length this far from the body's true length (the body is still
+    # the bytes claimed, every one of them sent: an origin that sends more, or fewer,
+    # bytes than it declared); and a Content-Range total this far from the size
+    length_skew: int = 0
+    length_skew_on: str = "ranged"
+    length_skew_close: bool = True  # False: the connection is kept after a length that lied
+    total_skew: int = 0
+    total_skew_on: str = "later-ranged"
     # pacing, per connection: bytes per second (None: unlimited; each answer is paced
     # from its first byte), and a delay before the status line of every answer
     rate: float | None = None
@@ -140,6 +156,7 @@ class Scenario:
         self.cut_at = None
         self.bad_chunk_at = None
         self.range_shift = 0
+        self.length_skew = self.total_skew = 0
         self.advance_after = ()
         self.honor_range = self.honor_if_match = self.honor_if_range = True
         self.honor_if_unmodified_since = self.honor_if_none_match = True
@@ -186,6 +203,8 @@ def _applies(rule: str, ordinal: int, ranged: bool) -> bool:
         return ranged
     if rule == "later-ranged":  # a resume or a later part, not a first ranged GET
         return ranged and ordinal > 1
+    if rule == "second-ranged":  # once: the second GET, when ranged
+        return ranged and ordinal == 2
     raise ValueError(f"unknown rule {rule!r}")
 
 
@@ -452,6 +471,9 @@ class BadOrigin:
                     stop = min(size, int(b) + 1) if b else size
                 else:
                     start, stop = max(0, size - int(b)), size
+                if sc.sloppy_ranges and a:
+                    claimed = (int(b) if b else max(size, start + 1) - 1) + 1
+                    return self._sloppy(out, rec, v.data, start, claimed, base)
                 if start >= size or stop <= start:
                     extra = dict(base, **{"Content-Range": f"bytes */{size}"})
                     return self._error(out, rec, 416, None, "range not satisfiable", extra=extra)
@@ -463,11 +485,17 @@ class BadOrigin:
             stop = max(start + 1, min(size, stop + sc.range_shift))
         headers_out = dict(base)
         if ranged:
-            rec.content_range = f"bytes {start}-{stop - 1}/{size}"
+            total = size
+            if sc.total_skew and _applies(sc.total_skew_on, rec.ordinal, ranged):
+                total += sc.total_skew
+            rec.content_range = f"bytes {start}-{stop - 1}/{total}"
             headers_out["Content-Range"] = rec.content_range
         framing = (sc.ranged_framing or sc.framing) if ranged else sc.framing
+        declared = stop - start
         if framing == "length":
-            headers_out["Content-Length"] = str(stop - start)
+            if sc.length_skew and _applies(sc.length_skew_on, rec.ordinal, ranged):
+                declared = max(0, declared + sc.length_skew)
+            headers_out["Content-Length"] = str(declared)
         elif framing == "close":
             headers_out["Connection"] = "close"
         elif framing == "chunked":
@@ -491,7 +519,10 @@ class BadOrigin:
             bad = sc.bad_chunk_at
         try:
             out.hold(self._head(status, headers_out))  # with the first bytes of the body
-            return self._body(out, rec, v.data, start, stop, framing, sc.chunk_size, cut, bad, sc)
+            end = self._body(out, rec, v.data, start, stop, framing, sc.chunk_size, cut, bad, sc)
+            # a length that lied: the connection cannot carry another answer
+            lied = framing == "length" and declared != stop - start
+            return "close" if lied and sc.length_skew_close else end
         except OSError as exc:  # the peer let go (a part taken, a client gone)
             rec.ended = f"peer gone: {exc!r}"
             return "close"
@@ -546,6 +577,21 @@ class BadOrigin:
         out.flush()
         rec.ended = "complete"
         return "close" if framing == "close" else "keep"
+
+    def _sloppy(
+        self, out: _Sender, rec: Request, data: bytes, start: int, claimed: int, base: dict
+    ) -> str:
+        """A 206 for bytes ``[start, claimed)`` as asked, whatever the object's size: the
+        bytes there are (perhaps none) and a Content-Length that counts them."""
+        body = data[start:claimed]
+        rec.status = 206
+        rec.content_range = f"bytes {start}-{claimed - 1}/{len(data)}"
+        headers = dict(base, **{"Content-Range": rec.content_range})
+        headers["Content-Length"] = str(len(body))
+        out.send(self._head(206, headers) + (b"" if rec.method == "HEAD" else body))
+        rec.sent = len(body)
+        rec.ended = "complete"
+        return "keep"
 
     def _head(self, status: int, headers: dict[str, str]) -> bytes:
         lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Whatever')}"]

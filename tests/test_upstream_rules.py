@@ -8,7 +8,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.upstream.errors import s3_error, status_error
-from proxy.upstream.resume import backoff_delay, can_resume, next_try, range_headers, verify
+from proxy.upstream.parts import PartsOrder, plan_parts
+from proxy.upstream.resume import (
+    backoff_delay,
+    can_resume,
+    check_framing,
+    next_try,
+    range_headers,
+    verify,
+)
 from shardcache.errors import (
     BadRequest,
     DownloadFailed,
@@ -113,6 +121,47 @@ def test_verify_refuses_other_bytes(start, end, status, headers):
         verify(URL, TAGGED, start, end, status, headers)
     assert not isinstance(ei.value, ObjectChanged)
     assert URL in str(ei.value)
+
+
+@pytest.mark.parametrize("length", ["699", "701", "0", "7e2", "-700", "700, 700"])
+def test_verify_refuses_a_length_that_is_not_the_range(length):
+    """A 206 whose Content-Length is not its Content-Range span frames other bytes than
+    it names: shorter leaves the rest of the range on the wire, longer waits for bytes
+    the range does not hold. Refused before a byte is used, whatever else is right."""
+    headers = partial(300, 999, 1000, ETag='"v1"', **{"Content-Length": length})
+    with pytest.raises(UpstreamError) as ei:
+        verify(URL, TAGGED, 300, None, 206, headers)
+    assert not isinstance(ei.value, ObjectChanged)
+    assert "Content-Length" in str(ei.value) and URL in str(ei.value)
+    with pytest.raises(UpstreamError):
+        check_framing(URL, 206, headers)
+
+
+def test_a_length_equal_to_the_range_or_no_length_is_framing_that_agrees():
+    verify(
+        URL,
+        TAGGED,
+        300,
+        None,
+        206,
+        partial(300, 999, 1000, ETag='"v1"', **{"Content-Length": "700"}),
+    )
+    verify(URL, TAGGED, 300, None, 206, partial(300, 999, 1000, ETag='"v1"'))  # close-delimited
+    chunked = {"Transfer-Encoding": "chunked", "Content-Length": "5"}  # chunking frames it
+    verify(URL, TAGGED, 300, None, 206, partial(300, 999, 1000, ETag='"v1"', **chunked))
+    check_framing(URL, 200, {"Content-Length": "5"})  # a 200 has no range to disagree with
+
+
+@given(st.integers(0, 5_000), st.integers(0, 5_000), st.integers(0, 12_000))
+def test_an_accepted_206_is_framed_by_its_range(first, span, length):
+    headers = {"Content-Range": f"bytes {first}-{first + span}/15000", "ETag": '"v1"'}
+    headers["Content-Length"] = str(length)
+    meta = ObjectMeta(size=15_000, etag='"v1"')
+    try:
+        verify(URL, meta, first, first + span + 1, 206, headers)
+    except UpstreamError:
+        return
+    assert length == span + 1
 
 
 def test_from_byte_zero_any_answer_of_the_announced_size_will_do():
@@ -243,3 +292,32 @@ def test_answers_for_the_rest_of_the_tree():
     assert error_answer(DownloadFailed(URL, None)) == (502, "InternalError")
     assert error_answer(ProxyError("token", status_hint=401)) == (401, "AccessDenied")
     assert error_answer(ProxyError("no", status_hint=501)) == (501, "NotImplemented")
+
+
+# -- the order of parts ----------------------------------------------------------------------
+
+
+def test_parts_order_takes_the_preferred_parts_and_tells_what_is_ready():
+    """A reader's position picks the part holding it and the next; ``ready`` counts the
+    bytes on disk from a position across complete parts, never past a gap."""
+    order = PartsOrder()
+    order.prefer(2500)  # said before the pump knew its parts
+    assert not order.active and order.ready(2500) == 0
+    parts = plan_parts(10_000, 1000)
+    got = [0] * len(parts)
+    order._parts, order._got = parts, got
+    started = [True] + [False] * 9
+    assert order._next(started) == 2
+    started[2] = True
+    assert order._next(started) == 3
+    started[3] = True
+    assert order._next(started) is None  # the rest is the pump's order
+    order.prefer(7999)
+    order.prefer(7001)  # the same part: one entry
+    assert order.wanted == [2500, 7000]
+    assert order._next(started) == 7
+    got[2], got[3] = 1000, 400
+    assert order.ready(2500) == 500 + 400
+    assert order.ready(3400) == 0 and order.ready(1999) == 0
+    got[3] = 1000
+    assert order.ready(2000) == 2000  # part 4 not started: stops there

@@ -14,11 +14,12 @@ from typing import Any
 
 import aiohttp
 from aiohttp.client_proto import ResponseHandler
+from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy.upstream.errors import aiohttp_error
 from proxy.upstream.transport import pump_chunks
 from shardcache._version import __version__
-from shardcache.errors import UpstreamCut
+from shardcache.errors import UpstreamCut, UpstreamError
 
 __all__ = ["AioTransport"]
 
@@ -33,6 +34,16 @@ class _Handler(ResponseHandler):
 
     lost_error: BaseException | None = None
     lost = False
+    # bytes that are no answer after a complete body: that body's framing was wrong.
+    # Recorded with the request they came during (``serial`` counts the requests sent
+    # on this connection): a body whose connection went back to the pool at its end may
+    # see the next request's failure here, which is not its own.
+    serial = 0
+    after_body: tuple[Any, int] | None = None
+
+    def set_response_params(self, *args: Any, **kw: Any) -> None:
+        self.serial += 1  # once per request sent on this connection
+        super().set_response_params(*args, **kw)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.lost = True
@@ -44,6 +55,8 @@ class _Handler(ResponseHandler):
         super().set_exception(exc, *args)
         if payload is not None and not payload.is_eof():
             payload.set_exception(aiohttp.ClientPayloadError(f"malformed response: {exc}"))
+        elif isinstance(exc, HttpProcessingError) and payload is not None:
+            self.after_body = (payload, self.serial)
 
 
 class _Connector(aiohttp.TCPConnector):
@@ -64,6 +77,7 @@ class AioResponse:
         self._chunk = chunk_size
         conn = resp.connection
         self._proto = conn.protocol if conn is not None else None
+        self._serial = getattr(self._proto, "serial", 0)
         te = (resp.headers.get("Transfer-Encoding") or "").lower()
         self._close_delimited = "Content-Length" not in resp.headers and "chunked" not in te
 
@@ -82,8 +96,14 @@ class AioResponse:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             self.close()
             raise aiohttp_error(self.url, exc, body=True) from exc
+        proto = self._proto
+        if isinstance(proto, _Handler) and proto.after_body == (self._resp.content, self._serial):
+            # more bytes than the Content-Length declared (they failed to parse as the next
+            # answer): the body received is not known to be the object's
+            self.close()
+            # (not the parser's message: it quotes the stray bytes)
+            raise UpstreamError(f"upstream {self.url}: more bytes than its Content-Length declared")
         if self._close_delimited:
-            proto = self._proto
             if proto is not None and isinstance(proto, _Handler) and proto.lost_error is not None:
                 self.close()
                 raise UpstreamCut(
@@ -93,6 +113,9 @@ class AioResponse:
         self._resp.release()
 
     def pump(self, fd: int, hasher: Any, limit: int | None = None) -> AsyncIterator[int]:
+        declared = (self.headers.get("Content-Length") or "").strip()
+        if limit is not None and declared.isdigit() and limit >= int(declared):
+            limit = None  # all of it: read to its end, where its framing is checked
         return pump_chunks(self.chunks(), fd, hasher, limit)
 
     def close(self) -> None:

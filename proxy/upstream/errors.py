@@ -111,6 +111,12 @@ def aiohttp_error(url: str, exc: BaseException, *, body: bool) -> ProxyError:
         return UpstreamTimeout(f"upstream {url} timed out")
     if isinstance(exc, aiohttp.ClientConnectorError):
         return UpstreamError(f"upstream {url} unreachable: {exc.os_error or exc}")
+    if isinstance(exc, aiohttp.ClientResponseError) and not body:
+        # an answer that does not parse (bytes left over from a previous answer whose
+        # length lied, a bad status line): asked again like a body that broke off. Its
+        # message quotes the stray bytes: only the start of its first line is kept.
+        first = _describe(exc).splitlines()[0].split("\\n")[0][:120]
+        return UpstreamCut(f"upstream {url}: malformed answer: {first}")
     if body:
         return UpstreamCut(f"upstream {url}: body broke off: {_describe(exc)}")
     return UpstreamError(f"upstream {url} failed: {_describe(exc)}")

@@ -30,9 +30,9 @@ from proxy.upstream.errors import (
 )
 from proxy.upstream.file import FileTransport
 from proxy.upstream.options import DEFAULT_OPTIONS as DEFAULTS
-from proxy.upstream.parts import can_fetch_in_parts, parts_pump, parts_stream
+from proxy.upstream.parts import PartsOrder, can_fetch_in_parts, parts_pump, parts_stream
 from proxy.upstream.redirects import RedirectingTransport, RedirectPolicy, Target
-from proxy.upstream.resume import can_resume
+from proxy.upstream.resume import can_resume, check_framing
 from proxy.upstream.s3 import S3Transport, S3Upstream
 from proxy.upstream.stream import Policy, UpstreamBody, ask, read, retrying
 from proxy.upstream.threaded import ThreadTransport, threadable
@@ -142,6 +142,10 @@ class Fetcher:
 
     # -- routing ---------------------------------------------------------------------------
 
+    def in_parts(self, url: str) -> bool:
+        """Whether a large object at ``url`` is downloaded in parallel ranged parts."""
+        return self._parts_for(urlsplit(url).scheme.lower())
+
     def _parts_for(self, scheme: str) -> bool:
         wanted = scheme == "s3" or (scheme in ("http", "https") and self.http_parts)
         return wanted and self.parallel > 1 and self.part_size > 0
@@ -207,7 +211,9 @@ class Fetcher:
 
     # -- whole objects ---------------------------------------------------------------------
 
-    async def open(self, url: str, headers: Mapping[str, str] | None = None) -> UpstreamBody:
+    async def open(
+        self, url: str, headers: Mapping[str, str] | None = None, *, at: int | None = None
+    ) -> UpstreamBody:
         """Request ``url`` and return once its headers are in. Raises ProxyError.
         ``headers``: the end-to-end fields of the client that asked (see
         :func:`proxy.policy.forwarded_fields`), sent with the first request.
@@ -217,23 +223,46 @@ class Fetcher:
         first part would leave the rest of the object in flight, sent by the origin (and
         billed) but never used. Its 206 tells the size and version the other parts are
         pinned to; a whole-object digest is not part of a 206, so none is checked then.
+        ``at``: a byte a reader waits for (a cold Range): the first request asks for the
+        part holding it instead, so that range is answered first; RangeNotSatisfiable
+        (with the size) when the object ends before it.
         """
         scheme = urlsplit(url).scheme.lower()
         extra = dict(headers or {})
         if self._parts_for(scheme):
-            body = await self._open_first_part(url, extra)
+            index = at // self.part_size if at is not None and at > 0 else 0
+            body = await self._open_first_part(url, extra, index)
+            if body is None and index:
+                body = await self._open_first_part(url, extra, 0)
             if body is not None:
                 return body
         resp = await self._request("GET", url, extra, (200,), stream=True)
         return self._body(url, resp, ObjectMeta.from_headers(resp.headers, 200))
 
-    async def _open_first_part(self, url: str, extra: dict[str, str]) -> UpstreamBody | None:
-        """``url`` opened with a ranged GET of its first part, or None when a plain GET
-        must follow (an empty object, or an answer the parts cannot build on)."""
-        header = f"bytes=0-{self.part_size - 1}"
+    async def _open_first_part(
+        self, url: str, extra: dict[str, str], index: int = 0
+    ) -> UpstreamBody | None:
+        """``url`` opened with a ranged GET of its part ``index`` (0: its first), or
+        None when a plain GET (or part 0) must follow (an empty object, or an answer the
+        parts cannot build on)."""
+        first_byte = index * self.part_size
+        header = f"bytes={first_byte}-{first_byte + self.part_size - 1}"
         resp = await self._request(
             "GET", url, {**extra, "Range": header}, (200, 206, 416), stream=True
         )
+        if resp.status == 416 and index:
+            resp.close()
+            try:
+                _, _, total = parse_content_range(
+                    (resp.headers.get("Content-Range") or "").replace("*", "0-0", 1)
+                )
+            except ValueError:
+                total = None
+            if total is None or total > first_byte:
+                return None  # no size told, or a sloppy 416: from part 0
+            exc = RangeNotSatisfiable(f"{url}: {total} bytes, none at {first_byte}")
+            exc.headers = {"Content-Range": f"bytes */{total}"}  # type: ignore[attr-defined]
+            raise exc
         if resp.status == 200:
             # Range ignored (whatever Accept-Ranges claims): the whole object in one
             # stream, no part asked of an origin that answers every range with all of it
@@ -241,27 +270,36 @@ class Fetcher:
             return self._body(url, resp, meta)
         usable = False
         meta = ObjectMeta(size=None)
+        framed = True
         if resp.status == 206:
+            try:
+                check_framing(url, 206, resp.headers)
+            except UpstreamError as exc:
+                log.warning("%s", exc)
+                framed = False
+        if resp.status == 206 and framed:
             meta = ObjectMeta.from_headers(resp.headers, 206)
             try:
                 first, last, total = parse_content_range(resp.headers.get("Content-Range"))
             except ValueError:
                 first, last, total = -1, -1, None
-            if total is not None and first == 0:
+            if total is not None and first == first_byte:
                 meta = replace(meta, accept_ranges=True)
-                whole = last + 1 == total  # the object is no larger than one part
+                whole = not index and last + 1 == total  # no larger than one part
                 usable = whole or can_fetch_in_parts(meta, self.part_size)
         if not usable:
             # 416 (an empty object), or a 206 the parts cannot be pinned to (no strong
-            # ETag, no total): the object again with a plain GET
+            # ETag, no total, framing that disagrees with itself): the object again
+            # with a plain GET
             log.debug("upstream %s answered %s to %s: plain GET", url, resp.status, header)
             resp.close()
             return None
-        return self._body(url, resp, meta)
+        return self._body(url, resp, meta, index)
 
-    def _body(self, url: str, resp: Response, meta: ObjectMeta) -> UpstreamBody:
-        """The body of ``resp``, an open answer from byte 0 of version ``meta``: in
-        parallel parts when they are wanted and possible, else one resumable stream."""
+    def _body(self, url: str, resp: Response, meta: ObjectMeta, index: int = 0) -> UpstreamBody:
+        """The body of ``resp``, an open answer from byte 0 of version ``meta`` (or of
+        its part ``index``): in parallel parts when they are wanted and possible, else
+        one resumable stream."""
         encoding = resp.headers.get("Content-Encoding")
         if encoding and encoding.lower() != "identity":
             # bytes are stored exactly as sent; a compressed representation is not a shard
@@ -269,18 +307,33 @@ class Fetcher:
         scheme = urlsplit(url).scheme.lower()
         transport = self.transport(url, stream=True)
         if self._parts_for(scheme) and can_fetch_in_parts(meta, self.part_size):
+            order = PartsOrder()
 
             def parts(sink: Any) -> Any:
                 kw = {"part_size": self.part_size, "parallel": self.parallel}
                 if sink is not None and sink[1] is None and PROC_FD:
                     # straight into the file at each part's offset, nothing in memory
                     return parts_pump(
-                        transport, url, meta, sink[0], policy=self.policy, initial=resp, **kw
+                        transport,
+                        url,
+                        meta,
+                        sink[0],
+                        policy=self.policy,
+                        initial=resp,
+                        initial_index=index,
+                        order=order,
+                        **kw,
                     )
-                chunks = parts_stream(transport, url, meta, policy=self.policy, initial=resp, **kw)
+                first = resp
+                if index:
+                    resp.close()  # in order through memory: part 0 is asked first
+                    first = None
+                chunks = parts_stream(transport, url, meta, policy=self.policy, initial=first, **kw)
                 return chunks if sink is None else pump_chunks(chunks, *sink)
 
-            return UpstreamBody(url, meta, parts, resp.close)
+            body = UpstreamBody(url, meta, parts, resp.close)
+            body.order = order
+            return body
 
         def whole(sink: Any) -> Any:
             return read(transport, url, meta, 0, None, self.policy, first=resp, sink=sink)
@@ -328,6 +381,7 @@ class Fetcher:
                 exc = RangeNotSatisfiable(f"range {header!r} not satisfiable for {total} bytes")
                 exc.headers = {"Content-Range": f"bytes */{total}"}  # type: ignore[attr-defined]
                 raise exc
+            check_framing(url, resp.status, resp.headers)
             meta = ObjectMeta.from_headers(resp.headers, resp.status)
             if meta.size is None:
                 raise UpstreamError(f"upstream {url}: answered a range without the object's size")
@@ -342,7 +396,10 @@ class Fetcher:
                 brange = None
                 start, end = 0, meta.size
             else:
-                first, last, _ = parse_content_range(resp.headers.get("Content-Range"))
+                try:
+                    first, last, _ = parse_content_range(resp.headers.get("Content-Range"))
+                except ValueError as exc:
+                    raise UpstreamError(f"upstream {url}: {exc}") from None
                 if (first, last) != (wanted.start, wanted.end):
                     raise UpstreamError(
                         f"upstream {url}: asked {header!r}, got bytes {first}-{last}"

@@ -26,6 +26,7 @@ from shardcache.meta import ObjectMeta
 __all__ = [
     "DEFAULT_PARALLEL",
     "DEFAULT_PART_SIZE",
+    "PartsOrder",
     "can_fetch_in_parts",
     "fetch_parts",
     "parts_pump",
@@ -57,6 +58,68 @@ def plan_parts(size: int, part_size: int) -> list[tuple[int, int]]:
     if size < 0:
         raise ValueError(f"size must not be negative, got {size}")
     return [(start, min(start + part_size, size)) for start in range(0, size, part_size)]
+
+
+class PartsOrder:
+    """Which parts of a :func:`parts_pump` to fetch first, and how far each has arrived:
+    shared by the pump and the readers of its file. A reader that needs bytes far ahead
+    of the written prefix (a cold Range) asks for them with :meth:`prefer`; the next free
+    part request takes the part holding them (after the part whose answer opened the
+    download), so the range is answered at about a ranged request's latency from the
+    object's one download, and no byte is fetched twice. :meth:`ready` tells how many
+    bytes from a position are on disk; ``notify`` is called as a preferred part grows."""
+
+    AHEAD = 2  # parts taken from a preferred position on: the one holding it, the next
+
+    def __init__(self) -> None:
+        self.wanted: list[int] = []
+        self.notify: Callable[[], None] | None = None
+        self._parts: list[tuple[int, int]] = []
+        self._got: list[int] = []
+
+    @property
+    def active(self) -> bool:
+        """Whether a pump writes by this order (parts at their offsets)."""
+        return bool(self._parts)
+
+    def prefer(self, pos: int) -> None:
+        """Fetch the parts holding bytes ``pos`` on (the next :attr:`AHEAD`) first."""
+        if self._parts:
+            size = self._parts[0][1] - self._parts[0][0]
+            pos -= pos % size  # one entry per part, however often its readers ask
+        if pos not in self.wanted:
+            self.wanted.append(pos)
+
+    def ready(self, pos: int) -> int:
+        """How many bytes from ``pos`` on are in the file (0 when none or unknown)."""
+        parts, got = self._parts, self._got
+        if not parts or pos < 0:
+            return 0
+        size = parts[0][1] - parts[0][0]
+        i = pos // size
+        n = 0
+        while i < len(parts):
+            start, end = parts[i]
+            have = start + got[i]
+            if have <= pos:
+                break
+            n += have - max(pos, start)
+            if have < end:
+                break
+            i += 1
+        return n
+
+    def _next(self, started: list[bool]) -> int | None:
+        """A preferred part not started yet, if any."""
+        if not self._parts:
+            return None
+        size = self._parts[0][1] - self._parts[0][0]
+        for pos in self.wanted:
+            first = pos // size
+            for i in range(first, min(first + self.AHEAD, len(self._parts))):
+                if not started[i]:
+                    return i
+        return None
 
 
 class _Part:
@@ -243,37 +306,58 @@ async def parts_pump(
     parallel: int = DEFAULT_PARALLEL,
     policy: Policy = DEFAULT_POLICY,
     initial: Response | None = None,
+    initial_index: int = 0,
+    order: PartsOrder | None = None,
 ) -> AsyncIterator[int]:
     """The parts written straight into the file ``fd`` at their offsets, each through a
     descriptor of its own (by the transport's worker thread where it has one), nothing
     held in memory; yields how far the contiguous prefix of written bytes grew. Parts
-    start in order, up to ``parallel`` at once. Linux only (``/proc/self/fd``)."""
+    start in order, up to ``parallel`` at once — the one ``initial`` answers
+    (``initial_index``) first, then those ``order`` prefers. Linux only
+    (``/proc/self/fd``)."""
     if meta.size is None:
         raise ValueError(f"{url}: size unknown, cannot fetch in parts")
     parts = plan_parts(meta.size, part_size)
     got = [0] * len(parts)
+    started = [False] * len(parts)
     wake = asyncio.Event()
     quiet = Policy(policy.retries, policy.backoff, policy.observe)
     state = {"next": 0}
+    if order is not None:
+        order._parts, order._got = parts, got
+
+    def take() -> int | None:
+        if not started[initial_index]:
+            started[initial_index] = True
+            return initial_index
+        index = None if order is None else order._next(started)
+        if index is None:
+            while state["next"] < len(parts) and started[state["next"]]:
+                state["next"] += 1
+            if state["next"] >= len(parts):
+                return None
+            index = state["next"]
+        started[index] = True
+        return index
 
     async def fill(index: int) -> None:
         start, end = parts[index]
         pfd = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)  # its own file position
         try:
             os.lseek(pfd, start, os.SEEK_SET)
-            first = initial if index == 0 else None
+            first = initial if index == initial_index else None
             stream = read(transport, url, meta, start, end, quiet, first=first, sink=(pfd, None))
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 async for n in stream:
                     got[index] += n
                     wake.set()
+                    if order is not None and order.wanted and order.notify is not None:
+                        order.notify()  # a reader may wait for this part, ahead of the prefix
         finally:
             os.close(pfd)
 
     async def worker() -> None:
-        while state["next"] < len(parts):
-            index = state["next"]
-            state["next"] += 1
+        while (index := take()) is not None:
             await fill(index)
 
     tasks = [asyncio.ensure_future(worker()) for _ in range(min(parallel, len(parts)))]

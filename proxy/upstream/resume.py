@@ -12,6 +12,8 @@ backoff :func:`backoff_delay`.
 - The answer must be a 206 whose ``Content-Range`` start, end and total are exactly those
   asked, whose validators equal the version's (strong ETag; else Last-Modified) — or a
   200 when the whole object from byte 0 was asked. Anything else raises.
+- Its framing must agree with itself (:func:`check_framing`): a 206's ``Content-Length``
+  is its ``Content-Range`` span, or the bytes on the wire are not the bytes it names.
 - A version with neither a strong ETag nor a Last-Modified is never resumed: nothing
   could prove that the continuation is of the same version.
 """
@@ -20,10 +22,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from shardcache.errors import ObjectChanged, UpstreamError
+from shardcache.errors import ObjectChanged, UpstreamCut, UpstreamError
 from shardcache.meta import ObjectMeta, parse_content_range
 
-__all__ = ["MAX_BACKOFF", "backoff_delay", "can_resume", "next_try", "range_headers", "verify"]
+__all__ = [
+    "MAX_BACKOFF",
+    "backoff_delay",
+    "can_resume",
+    "check_framing",
+    "next_try",
+    "range_headers",
+    "verify",
+]
 
 MAX_BACKOFF = 5.0
 
@@ -77,6 +87,30 @@ def range_headers(meta: ObjectMeta | None, start: int, end: int | None) -> dict[
     return headers
 
 
+def check_framing(url: str, status: int, headers: Mapping[str, str]) -> None:
+    """Raise UpstreamCut when a 206's ``Content-Length`` is not the span of its
+    ``Content-Range``: whichever of the two is wrong, the body cannot be both the bytes
+    it names and the bytes that frame it (a short length leaves the rest of the range on
+    the wire, to be read as the next answer; a long one waits for bytes that are not
+    the range's). None of its bytes is used, so the request may be asked again from the
+    same position, like a body that broke off before its first byte (:func:`next_try`).
+    A Content-Range that cannot be parsed is :func:`verify`'s to refuse."""
+    if status != 206:
+        return
+    length = (headers.get("Content-Length") or "").strip()
+    if not length or "chunked" in (headers.get("Transfer-Encoding") or "").lower():
+        return  # chunked or close-delimited: the body's end is its framing
+    try:
+        first, last, _ = parse_content_range(headers.get("Content-Range"))
+    except ValueError:
+        return
+    if not length.isdigit() or int(length) != last - first + 1:
+        raise UpstreamCut(
+            f"upstream {url}: Content-Length {length} disagrees with Content-Range "
+            f"bytes {first}-{last} ({last - first + 1} bytes)"
+        )
+
+
 def verify(
     url: str,
     meta: ObjectMeta | None,
@@ -108,6 +142,7 @@ def verify(
         return got
     if status != 206:
         raise UpstreamError(f"upstream {url}: answered {status} where 206 was due")
+    check_framing(url, status, headers)
     try:
         first, last, total = parse_content_range(headers.get("Content-Range"))
     except ValueError as exc:

@@ -321,10 +321,17 @@ class S3Upstream:
         length = int(resp["ContentLength"])
         if status == 206 and resp.get("ContentRange"):
             try:
-                start, _, size = parse_content_range(resp["ContentRange"])
+                start, last, size = parse_content_range(resp["ContentRange"])
             except ValueError as exc:
                 resp["Body"].close()
                 raise UpstreamError(f"{url}: {exc}") from exc
+            if last - start + 1 != length:
+                # the answer passed on is rebuilt from these two: they must agree
+                resp["Body"].close()
+                raise UpstreamError(
+                    f"{url}: ContentLength {length} disagrees with ContentRange "
+                    f"{resp['ContentRange']}"
+                )
         else:
             start, size = 0, length
         etag = resp.get("ETag")

@@ -141,16 +141,20 @@ async def read(
                 async with contextlib.aclosing(it):  # type: ignore[type-var]
                     async for item in it:
                         n = item if sink is not None else len(item)
+                        trimmed = False
                         if end is not None and pos + n > end:
                             if sink is not None or first is None:
                                 raise UpstreamError(f"upstream {url}: more bytes than asked")
-                            item, n = item[: end - pos], end - pos
-                        pos += n
-                        if policy.on_bytes is not None:
-                            policy.on_bytes(n)
-                        yield item
-                        if end is not None and pos >= end:
+                            item, n, trimmed = item[: end - pos], end - pos, True
+                        if n:
+                            pos += n
+                            if policy.on_bytes is not None:
+                                policy.on_bytes(n)
+                            yield item
+                        if trimmed:
                             break
+                        # at ``end`` the body is read on to its own end: the transport
+                        # checks there that no byte follows what its framing declared
                 if end is not None and pos != end:
                     raise UpstreamCut(f"upstream {url}: body ended at byte {pos} of {end}")
                 return
@@ -189,7 +193,12 @@ async def read(
 
 class UpstreamBody:
     """An upstream answer whose headers are in: the version (``meta``) and its bytes to
-    come, through :meth:`chunks` or :meth:`pump` (iterate one of them, once)."""
+    come, through :meth:`chunks` or :meth:`pump` (iterate one of them, once). ``order``:
+    a :class:`proxy.upstream.parts.PartsOrder` when :meth:`pump` writes parallel parts
+    at their offsets (readers may ask for a part first, and read it before the prefix
+    reaches it); else None."""
+
+    order: Any = None
 
     def __init__(
         self,

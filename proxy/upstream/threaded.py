@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 from proxy.upstream.aio import USER_AGENT
 from proxy.upstream.errors import socket_error
 from proxy.upstream.transport import write_all
+from shardcache.errors import UpstreamError
 
 __all__ = ["ThreadTransport", "threadable"]
 
@@ -74,10 +75,12 @@ class _ThreadedResponse:
         self.resp = resp
         # bytes still due when the length is known and not chunked; else None (read1)
         self.remaining: int | None = None if resp.chunked else resp.length
+        self.declared = self.remaining  # the Content-Length, when the body has one
         self._buf: bytearray | None = None
         self._closed = False
         self._error: BaseException | None = None  # raised by the next batch
         self._first = True  # the first batch is whatever the first read returns
+        self.limited = False  # the caller stops before the declared end (bytes stay due)
 
     def batch(self, sink: tuple[int, Any] | None) -> tuple[int, bytes | None]:
         """Receive up to BATCH_BYTES (less if BATCH_SECONDS pass after the first bytes or
@@ -122,6 +125,8 @@ class _ThreadedResponse:
                 break
         self._first = False
         if not n:
+            if self.remaining == 0 and not self.limited:
+                self._check_declared_end()
             return 0, None
         if sink is None:
             return n, bytes(view[:n])
@@ -130,6 +135,27 @@ class _ThreadedResponse:
         except OSError as exc:
             raise _SinkError(exc) from exc
         return n, None
+
+    def _check_declared_end(self) -> None:
+        """After the last byte of the declared Content-Length: raise UpstreamError when
+        more bytes are already there (buffered, or waiting in the socket; never waits for
+        any). An origin that sends more than it declared framed the body wrongly: the
+        bytes received are not known to be the object's (nor its declared prefix)."""
+        fp = self.resp.fp
+        sock = self.conn.sock
+        if fp is None or sock is None:
+            return
+        timeout = sock.gettimeout()
+        try:
+            sock.setblocking(False)
+            extra = fp.peek(1)
+        except (OSError, ValueError):
+            return  # closed or reset after the body: nothing more was sent
+        finally:
+            with contextlib.suppress(OSError):
+                sock.settimeout(timeout)
+        if extra:
+            raise UpstreamError(f"upstream sent more bytes than its Content-Length {self.declared}")
 
     def run(self, sink: tuple[int, Any], report: Callable[[int], None]) -> None:
         """Receive and write batches until the body ends, calling ``report`` with the size
@@ -276,6 +302,7 @@ class ThreadResponse:
         tr = self._tr
         if limit is not None and tr.remaining is not None and tr.remaining > limit:
             tr.remaining = limit  # a Content-Length body: stop after the part asked for
+            tr.limited = True
         loop = asyncio.get_running_loop()
         pending = 0
         wake = asyncio.Event()

@@ -234,3 +234,72 @@ def test_s3_slowdown_is_tried_retries_plus_one_times(origin, proxy, mode):
     assert st["entries"] == 0, st
     sc.heal()
     second_read(proxy, [data], PROXY_PATH)
+
+
+# --- framing that disagrees with itself (see tests/test_framing.py) --------------------------
+
+
+def _framing(origin, mode: str, data: bytes, **faults):
+    sc = origin.add(
+        ORIGIN_PATH, versions=[Version(data, etag=ETAG_OLD, last_modified=LM_OLD)], **faults
+    )
+    if mode == "stream":  # one GET: its resume meets the 206 faults
+        sc.cut_at, sc.cut_on, sc.cut_mode = CUT40, "first", "rst"
+    return sc
+
+
+def _first_then_heal(origin, proxy, sc, data: bytes) -> bool:
+    """The rule for the first read; with the origin healed, the exact object, and a
+    MISS when the first failed (nothing was committed)."""
+    r = fetch(proxy.port, PROXY_PATH)
+    clean = check_rule(r, [data], tail_of(proxy))
+    settle(proxy)
+    sc.heal()
+    r2 = fetch(proxy.port, PROXY_PATH)
+    assert r2.status == 200 and r2.body == data, r2.describe() + "\n" + tail_of(proxy)
+    if not clean:
+        assert r2.headers.get("x-cache") == "MISS", "committed from a failed download"
+    return clean
+
+
+@pytest.mark.parametrize("skew", [-1000, 1000], ids=["shorter", "longer"])
+def test_s3_content_length_other_than_the_range_is_an_error(origin, proxy, mode, skew):
+    """Every later 206 declares a Content-Length ``skew`` bytes off its Content-Range
+    span (and sends the span): never used, never committed."""
+    data = os.urandom(SIZE)
+    sc = _framing(origin, mode, data, length_skew=skew, length_skew_on="later-ranged")
+    assert not _first_then_heal(origin, proxy, sc, data)
+
+
+def test_s3_one_short_length_is_asked_again(origin, proxy, mode):
+    """One 206 (the second GET) lies about its length: asked again, the exact object."""
+    data = os.urandom(SIZE)
+    sc = _framing(origin, mode, data, length_skew=-1000, length_skew_on="second-ranged")
+    assert _first_then_heal(origin, proxy, sc, data)
+
+
+def test_s3_total_that_changes_between_parts_is_an_error(origin, proxy, mode):
+    """Later 206 answers name a total 4 KiB larger, with the same ETag: never spliced."""
+    data = os.urandom(SIZE)
+    sc = _framing(origin, mode, data, total_skew=4096, total_skew_on="later-ranged")
+    assert not _first_then_heal(origin, proxy, sc, data)
+
+
+# --- a cold range: once over the network (see tests/test_cold_range.py) ---------------------
+
+
+def test_s3_cold_range_is_fetched_once(origin, proxy, mode):
+    """``s3://`` is always fetched in parts: a cold range at 5 MiB of a 6 MiB object is
+    answered from the object's one download, whose first GET is the part holding it;
+    once cached, S3 sent the object's bytes once."""
+    size, a = 6 * 1024 * KiB, 5 * 1024 * KiB + 321
+    data = os.urandom(size)
+    origin.add(ORIGIN_PATH, versions=[Version(data, etag=ETAG_OLD, last_modified=LM_OLD)])
+    r = fetch(proxy.port, PROXY_PATH, headers={"Range": f"bytes={a}-"})
+    assert r.status == 206 and r.clean and r.body == data[a:], r.describe() + tail_of(proxy)
+    settle(proxy, timeout=20)
+    assert fetch(proxy.port, PROXY_PATH, "HEAD").headers.get("x-cache") == "HIT"
+    gets = origin.log(ORIGIN_PATH, "GET")
+    assert sum(g.sent for g in gets) == size, [(g.range, g.status, g.sent) for g in gets]
+    part = 64 * KiB if mode == "parts" else 8 * 1024 * KiB
+    assert gets[0].range_start == a - a % part, gets[0].range
