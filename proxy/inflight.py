@@ -33,19 +33,21 @@ import asyncio
 import contextlib
 import enum
 import functools
-import hashlib
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from proxy.metrics import ProxyMetrics
 from proxy.policy import cache_control_forbids, should_admit
 from proxy.storehealth import StoreHealth
 from proxy.upstream import Fetcher, UpstreamBody
+from shardcache.digests import Digester
 from shardcache.errors import (
     CacheError,
+    DigestMismatch,
     DownloadFailed,
     IncompleteDownloadError,
     ProxyError,
@@ -570,19 +572,31 @@ class Inflight:
             return None, f"store error: {exc}"
 
     async def _receive(self, dl: Download, body: UpstreamBody, partial: Partial, wfd: int) -> None:
-        """Write the whole body to the partial file, then check its length and digest.
-        Batches of up to 1 MiB are written off the loop (by the thread that received
-        them when the backend has one): the readers wake once per batch."""
+        """Write the whole body to the partial file, then check its length and every
+        digest the upstream declared (:mod:`shardcache.digests`); the digests computed
+        become the entry's. Batches of up to 1 MiB are written off the loop (by the
+        thread that received them when the backend has one): the readers wake once per
+        batch. The digests are computed as the bytes are written (in parts: as the
+        contiguous prefix grows), never by a second read of the finished file."""
         meta = body.meta
-        hasher = hashlib.md5(usedforsecurity=False) if meta.md5 else None
-        async for n in body.pump(wfd, hasher):
+        digester = Digester(meta.digests, prefix_md5=body.prefix_md5)
+        async for n in body.pump(wfd, digester):
             dl.wrote(n)
             if dl.cached and meta.size is None and dl.written > partial.reserved:
                 await self._grow(dl, partial)
         if meta.size is not None and dl.written != meta.size:
             raise IncompleteDownloadError(dl.url, dl.written, meta.size)
-        if hasher is not None and hasher.digest() != meta.md5:
-            raise UpstreamError(f"upstream {dl.url}: MD5 checksum mismatch")
+        bad = digester.mismatches()
+        for m in bad:
+            self.metrics.digest_mismatches.labels(m.algorithm).inc()
+            log.warning("upstream %s: %s digest mismatch: %s", dl.url, m.algorithm, m)
+        if bad:
+            raise DigestMismatch(f"upstream {dl.url}: digest mismatch: " + "; ".join(map(str, bad)))
+        for algorithm in digester.unchecked:
+            log.info(
+                "upstream %s: declared %s digest not checked (no implementation)", dl.url, algorithm
+            )
+        dl.meta = replace(dl.meta, digests=digester.computed())
 
     async def _commit(self, dl: Download, partial: Partial) -> Entry | None:
         """Turn the verified partial into an entry; None when only caching failed (the

@@ -28,6 +28,7 @@ from proxy.upstream.s3 import S3Transport, S3Upstream
 from proxy.upstream.stream import Policy, UpstreamBody, read, retrying
 from proxy.upstream.threaded import ThreadTransport, threadable
 from proxy.upstream.transport import Response, Transport, pump_chunks
+from shardcache.digests import content_md5, declared_digests
 from shardcache.errors import (
     NotFound,
     ProxyError,
@@ -220,25 +221,53 @@ class Fetcher:
             # bytes are stored exactly as sent; a compressed representation is not a shard
             log.warning("upstream %s sent Content-Encoding %s", url, encoding)
         scheme = urlsplit(url).scheme.lower()
+        meta, prefix_md5 = self._declared(scheme, resp, meta)
         transport = self.transport(url, stream=True)
         if self._parts_for(scheme) and can_fetch_in_parts(meta, self.part_size):
 
             def parts(sink: Any) -> Any:
                 kw = {"part_size": self.part_size, "parallel": self.parallel}
-                if sink is not None and sink[1] is None and PROC_FD:
+                if sink is not None and PROC_FD:
                     # straight into the file at each part's offset, nothing in memory
+                    # (a hasher follows the contiguous prefix, read back from the page cache)
                     return parts_pump(
-                        transport, url, meta, sink[0], policy=self.policy, initial=resp, **kw
+                        transport,
+                        url,
+                        meta,
+                        sink[0],
+                        policy=self.policy,
+                        initial=resp,
+                        hasher=sink[1],
+                        **kw,
                     )
                 chunks = parts_stream(transport, url, meta, policy=self.policy, initial=resp, **kw)
                 return chunks if sink is None else pump_chunks(chunks, *sink)
 
-            return UpstreamBody(url, meta, parts, resp.close)
+            return UpstreamBody(url, meta, parts, resp.close, prefix_md5=prefix_md5)
 
         def whole(sink: Any) -> Any:
             return read(transport, url, meta, 0, None, self.policy, first=resp, sink=sink)
 
-        return UpstreamBody(url, meta, whole, resp.close)
+        return UpstreamBody(url, meta, whole, resp.close, prefix_md5=prefix_md5)
+
+    @staticmethod
+    def _declared(
+        scheme: str, resp: Response, meta: ObjectMeta
+    ) -> tuple[ObjectMeta, tuple[int, str] | None]:
+        """``meta`` with the whole-object digests ``resp`` declares, and the Content-MD5
+        of a 206 from byte 0 (the part's digest or the object's: see
+        :class:`~shardcache.digests.Digester`)."""
+        declared = declared_digests(resp.headers, resp.status, s3=scheme == "s3")
+        prefix_md5 = None
+        if resp.status == 206:
+            value = content_md5(resp.headers)
+            if value is not None and ("md5", value) not in declared:
+                first, last, _ = parse_content_range(resp.headers.get("Content-Range"))
+                if first == 0:
+                    prefix_md5 = (last + 1, value)
+        if declared:
+            meta = replace(meta, digests=declared)
+        return meta, prefix_md5
 
     async def head(self, url: str) -> ObjectMeta:
         """The object's size, validators and type from a HEAD, without its body."""

@@ -191,9 +191,14 @@ class UpstreamBody:
         meta: ObjectMeta,
         stream: Callable[[tuple[int, Any] | None], AsyncIterator[Any]],
         close: Callable[[], None],
+        *,
+        prefix_md5: tuple[int, str] | None = None,
     ) -> None:
         self.url = url
-        self.meta = meta
+        self.meta = meta  # meta.digests: what the upstream declared of the whole object
+        # (length, hex) of a Content-MD5 sent with a 206 for the first bytes (see
+        # shardcache.digests.Digester)
+        self.prefix_md5 = prefix_md5
         self._stream: Callable[[tuple[int, Any] | None], AsyncIterator[Any]] | None = stream
         self._close: Callable[[], None] | None = close
 
