@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import fcntl
 import http.client
 import os
@@ -128,25 +129,33 @@ class _ThreadedResponse:
             report(n)
             if self._can_splice(sink):
                 # the parser's buffer is drained: the rest moves socket -> pipe -> file
-                # in the kernel, never copied through this process
-                self._splice_rest(sink[0], report)
+                # in the kernel, never copied through this process (a hasher reads each
+                # batch back from the page cache)
+                self._splice_rest(sink[0], report, sink[1])
 
     def _can_splice(self, sink: tuple[int, Any]) -> bool:
         sock = self.conn.sock
         return (
             SPLICE
-            and sink[1] is None  # nothing to hash
             and bool(self.remaining)
             and self._error is None
             and isinstance(sock, socket.socket)
             and not isinstance(sock, ssl.SSLSocket)
         )
 
-    def _splice_rest(self, fd: int, report: Callable[[int], None]) -> None:
+    def _splice_rest(self, fd: int, report: Callable[[int], None], hasher: Any = None) -> None:
         """Move the rest of a Content-Length body from the socket to ``fd`` with splice,
-        in batches of up to BATCH_BYTES (or what arrived within BATCH_SECONDS). Raises
+        in batches of up to BATCH_BYTES (or what arrived within BATCH_SECONDS); each batch
+        is fed to ``hasher`` (read back from the file) before it is reported. Raises
         TimeoutError after read_timeout without a byte, ConnectionError on an early end,
         _SinkError when writing to ``fd`` fails."""
+        if hasher is not None:
+            rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+            try:
+                self._splice_rest(fd, _Rehash(rfd, os.lseek(fd, 0, os.SEEK_CUR), hasher, report))
+            finally:
+                os.close(rfd)
+            return
         sock = self.conn.sock
         sfd = sock.fileno()
         timeout = sock.gettimeout()
@@ -221,6 +230,30 @@ class _ThreadedResponse:
             self.shutdown()
             self.resp.close()
             self.conn.close()
+
+
+class _Rehash:
+    """A ``report`` callback that first feeds ``hasher`` the batch just spliced into the
+    file, read back through ``rfd`` from ``pos`` on (the page cache: no disk read)."""
+
+    def __init__(self, rfd: int, pos: int, hasher: Any, report: Callable[[int], None]) -> None:
+        self.rfd = rfd
+        self.pos = pos
+        self.hasher = hasher
+        self.report = report
+
+    def __call__(self, n: int) -> None:
+        end = self.pos + n
+        while self.pos < end:
+            try:
+                data = os.pread(self.rfd, min(BATCH_BYTES, end - self.pos), self.pos)
+                if not data:
+                    raise OSError(errno.EIO, f"file ended at byte {self.pos} while hashing")
+            except OSError as exc:  # a local failure, like a failed write
+                raise _SinkError(exc) from exc
+            self.hasher.update(data)
+            self.pos += len(data)
+        self.report(n)
 
 
 class ThreadResponse:
