@@ -10,6 +10,7 @@ worker threads (:mod:`.threaded`) or on the event loop (:mod:`.aio`), ``file://`
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Callable
@@ -173,15 +174,43 @@ class Fetcher:
         request asks for part 0 only (``Range: bytes=0-…``): a plain GET closed after its
         first part would leave the rest of the object in flight, sent by the origin (and
         billed) but never used. Its 206 tells the size and version the other parts are
-        pinned to; a whole-object digest is not part of a 206, so none is checked then.
+        pinned to, and the digests that are about the whole object (an S3 ETag,
+        x-goog-hash). S3 sends its full-object checksums only on whole-object answers:
+        for ``s3://`` a HEAD asks for them beside the first part (no added latency).
         """
         scheme = urlsplit(url).scheme.lower()
         if self._parts_for(scheme):
-            body = await self._open_first_part(url)
+            head = asyncio.ensure_future(self._head_digests(url)) if scheme == "s3" else None
+            try:
+                body = await self._open_first_part(url)
+            except BaseException:
+                if head is not None:
+                    head.cancel()
+                raise
+            if head is not None:
+                etag, declared = await head
+                if body is not None and declared and etag == body.meta.etag:
+                    merged = body.meta.digests + tuple(
+                        d for d in declared if d not in body.meta.digests
+                    )
+                    body.meta = replace(body.meta, digests=merged)
             if body is not None:
                 return body
         resp = await self._request("GET", url, {}, (200,), stream=True)
         return self._body(url, resp, ObjectMeta.from_headers(resp.headers, 200))
+
+    async def _head_digests(self, url: str) -> tuple[str | None, tuple[tuple[str, str], ...]]:
+        """The ETag of ``url`` and the whole-object digests a HEAD declares; nothing when
+        it fails (the download goes on with what its GET declared)."""
+        try:
+            resp = await self.transport(url).request("HEAD", url, {})
+            resp.close()
+        except Exception as exc:  # never fails the download
+            log.debug("HEAD %s for its checksums failed: %s", url, exc)
+            return None, ()
+        if resp.status != 200:
+            return None, ()
+        return resp.headers.get("ETag"), declared_digests(resp.headers, 200, s3=True)
 
     async def _open_first_part(self, url: str) -> UpstreamBody | None:
         """``url`` opened with a ranged GET of its first part, or None when a plain GET
