@@ -318,3 +318,31 @@ def test_check_verify_finds_an_entry_changed_on_disk(origin, tmp_path):
         assert [e.url for e in store.entries()] == [f"{origin.url}/b.tar"]
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("flip", [None, FLIP], ids=["right", "flipped"])
+def test_an_uncached_object_is_checked_too(origin, transport, tmp_path, flip):
+    """Too big for the cache: streamed through (X-Cache: BYPASS), still checked; the last
+    bytes go out only once the digest matched."""
+    data = os.urandom(SIZE)
+    add(origin, data, content_md5="object", flip_at=flip)
+    p = ProxyProcess(
+        tmp_path / "cache",
+        "--upstream",
+        origin.url,
+        *COMMON,
+        *TRANSPORTS[transport],
+        "--cache-size",
+        "256KiB",
+    ).start()
+    try:
+        r = fetch(p.port, f"/{NAME}")
+        assert r.headers.get("x-cache") == "BYPASS", r.describe()
+        if flip is None:
+            assert r.status == 200 and r.clean and r.body == data, r.describe()
+        else:
+            assert not check_rule(r, [data], p.log_text()[-3000:]), r.describe()
+            assert "md5 digest mismatch" in p.log_text()
+        assert settle(p)["entries"] == 0
+    finally:
+        p.stop(timeout=10)
