@@ -16,9 +16,11 @@ import errno
 import fcntl
 import http.client
 import os
+import queue
 import select
 import socket
 import ssl
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -152,7 +154,11 @@ class _ThreadedResponse:
         if hasher is not None:
             rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
             try:
-                self._splice_rest(fd, _Rehash(rfd, os.lseek(fd, 0, os.SEEK_CUR), hasher, report))
+                rehash = _Rehash(rfd, os.lseek(fd, 0, os.SEEK_CUR), hasher, report)
+                try:
+                    self._splice_rest(fd, rehash)
+                finally:
+                    rehash.finish()  # before the body counts as received, and rfd closes
             finally:
                 os.close(rfd)
             return
@@ -233,27 +239,47 @@ class _ThreadedResponse:
 
 
 class _Rehash:
-    """A ``report`` callback that first feeds ``hasher`` the batch just spliced into the
-    file, read back through ``rfd`` from ``pos`` on (the page cache: no disk read)."""
+    """A ``report`` callback for spliced batches that also has them hashed: a thread of
+    its own reads each batch back from the file through ``rfd`` (the page cache: no disk
+    read) from ``pos`` on and feeds ``hasher``, so hashing overlaps receiving.
+    :meth:`finish` waits until every batch is hashed."""
 
     def __init__(self, rfd: int, pos: int, hasher: Any, report: Callable[[int], None]) -> None:
         self.rfd = rfd
         self.pos = pos
         self.hasher = hasher
         self.report = report
+        self.error: OSError | None = None
+        self._batches: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="upstream-hash", daemon=True)
+        self._thread.start()
 
     def __call__(self, n: int) -> None:
-        end = self.pos + n
-        while self.pos < end:
-            try:
-                data = os.pread(self.rfd, min(BATCH_BYTES, end - self.pos), self.pos)
-                if not data:
-                    raise OSError(errno.EIO, f"file ended at byte {self.pos} while hashing")
-            except OSError as exc:  # a local failure, like a failed write
-                raise _SinkError(exc) from exc
-            self.hasher.update(data)
-            self.pos += len(data)
+        if self.error is not None:
+            raise _SinkError(self.error) from self.error
+        self._batches.put(n)
         self.report(n)
+
+    def _run(self) -> None:
+        while (n := self._batches.get()) is not None:
+            end = self.pos + n
+            while self.error is None and self.pos < end:
+                try:
+                    data = os.pread(self.rfd, min(BATCH_BYTES, end - self.pos), self.pos)
+                    if not data:
+                        raise OSError(errno.EIO, f"file ended at byte {self.pos} while hashing")
+                except OSError as exc:  # a local failure, like a failed write
+                    self.error = exc
+                    break
+                self.hasher.update(data)
+                self.pos += len(data)
+
+    def finish(self) -> None:
+        """Wait for the hashing thread; raise what it failed with."""
+        self._batches.put(None)
+        self._thread.join()
+        if self.error is not None:
+            raise _SinkError(self.error) from self.error
 
 
 class ThreadResponse:
