@@ -132,18 +132,28 @@ def get(port: int, path: str) -> int:
         conn.close()
 
 
-def one_run(src: Path, workdir: Path, origin: str, variant: str, path: str, size: int) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_run(
+    src: Path, workdir: Path, origin: str, variant: str, path: str, size: int
+) -> tuple[float, float]:
     run = Path(tempfile.mkdtemp(dir=workdir))
     proc, fh, port = start_proxy(src, run / "cache", origin, VARIANTS[variant])
     try:
         get(port, "/tiny")
         os.sync()
+        c0 = cpu_seconds(proc.pid)
         t0 = time.perf_counter()
         n = get(port, path)
         wall = time.perf_counter() - t0
+        cpu = cpu_seconds(proc.pid) - c0
         if n != size:
             raise RuntimeError(f"read {n} of {size} bytes")
-        return size / wall / 1e6
+        return size / wall / 1e6, cpu
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
@@ -179,15 +189,20 @@ def main() -> int:
             for path in ("/plain", "/md5")
         ]
         results: dict[tuple[str, str, str], list[float]] = {c: [] for c in cases}
+        cpus: dict[tuple[str, str, str], list[float]] = {c: [] for c in cases}
         for r in range(args.rounds):
             order = cases if r % 2 == 0 else cases[::-1]
             for case in order:
                 tree, variant, path = case
-                results[case].append(one_run(trees[tree], args.dir, url, variant, path, size))
+                rate, cpu = one_run(trees[tree], args.dir, url, variant, path, size)
+                results[case].append(rate)
+                cpus[case].append(cpu)
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
-        print(f"cold GET of {args.size_mib} MiB, {args.rounds} interleaved rounds, median MB/s")
-        print("| transport | object | base | digests | ratio |")
-        print("| --- | --- | --- | --- | --- |")
+        print(f"cold GET of {args.size_mib} MiB, {args.rounds} interleaved rounds, medians")
+        print(
+            "| transport | object | base MB/s | digests MB/s | ratio | proxy CPU-s base / digests |"
+        )
+        print("| --- | --- | --- | --- | --- | --- |")
         for variant in args.variants.split(","):
             for path in ("/plain", "/md5"):
                 old = results[("base", variant, path)]
@@ -195,7 +210,9 @@ def main() -> int:
                 a, b = statistics.median(old), statistics.median(new)
                 print(
                     f"| {variant} | {path} | {a:.0f} ({min(old):.0f}–{max(old):.0f}) "
-                    f"| {b:.0f} ({min(new):.0f}–{max(new):.0f}) | {b / a:.3f} |"
+                    f"| {b:.0f} ({min(new):.0f}–{max(new):.0f}) | {b / a:.3f} "
+                    f"| {statistics.median(cpus[('base', variant, path)]):.2f} / "
+                    f"{statistics.median(cpus[('digests', variant, path)]):.2f} |"
                 )
     finally:
         origin.terminate()
