@@ -133,7 +133,10 @@ class _ThreadedResponse:
                 # the parser's buffer is drained: the rest moves socket -> pipe -> file
                 # in the kernel, never copied through this process (a hasher reads each
                 # batch back from the page cache)
-                self._splice_rest(sink[0], report, sink[1])
+                if sink[1] is None:
+                    self._splice_rest(sink[0], report)
+                else:
+                    self._splice_hashed(sink[0], report, sink[1])
 
     def _can_splice(self, sink: tuple[int, Any]) -> bool:
         sock = self.conn.sock
@@ -145,23 +148,24 @@ class _ThreadedResponse:
             and not isinstance(sock, ssl.SSLSocket)
         )
 
-    def _splice_rest(self, fd: int, report: Callable[[int], None], hasher: Any = None) -> None:
+    def _splice_hashed(self, fd: int, report: Callable[[int], None], hasher: Any) -> None:
+        """:meth:`_splice_rest`, each batch also fed to ``hasher`` (read back from the
+        file by a thread of its own); returns or raises once every batch is hashed."""
+        rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+        try:
+            rehash = _Rehash(rfd, os.lseek(fd, 0, os.SEEK_CUR), hasher, report)
+            try:
+                self._splice_rest(fd, rehash)
+            finally:
+                rehash.finish()  # before the body counts as received, and rfd closes
+        finally:
+            os.close(rfd)
+
+    def _splice_rest(self, fd: int, report: Callable[[int], None]) -> None:
         """Move the rest of a Content-Length body from the socket to ``fd`` with splice,
-        in batches of up to BATCH_BYTES (or what arrived within BATCH_SECONDS); each batch
-        is fed to ``hasher`` (read back from the file) before it is reported. Raises
+        in batches of up to BATCH_BYTES (or what arrived within BATCH_SECONDS). Raises
         TimeoutError after read_timeout without a byte, ConnectionError on an early end,
         _SinkError when writing to ``fd`` fails."""
-        if hasher is not None:
-            rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
-            try:
-                rehash = _Rehash(rfd, os.lseek(fd, 0, os.SEEK_CUR), hasher, report)
-                try:
-                    self._splice_rest(fd, rehash)
-                finally:
-                    rehash.finish()  # before the body counts as received, and rfd closes
-            finally:
-                os.close(rfd)
-            return
         sock = self.conn.sock
         sfd = sock.fileno()
         timeout = sock.gettimeout()
