@@ -105,6 +105,9 @@ class Download:
         self.task: asyncio.Task | None = None
         # passthrough: reads bytes [start, end) of this version from the upstream
         self._upstream_range: Callable[[int, int | None], Any] | None = None
+        # the digests of the bytes written so far: a passthrough client reading to the end
+        # completes them with the rest it reads from the upstream
+        self.digester: Digester | None = None
 
     # -- producer ------------------------------------------------------------------------
 
@@ -347,13 +350,34 @@ class Download:
         stop = end if end is not None else self.meta.size
         if stop is not None and pos >= stop:
             return 0
+        # to the object's end, after bytes [0, pos) all hashed: the declared digests are
+        # checked, the last chunk held back until they match
+        check = self.digester
+        if check is None or not check.checks or check.size != pos or stop != self.meta.size:
+            check = None
+        else:
+            check = check.copy()
         sent = 0
+        held: bytes | None = None
         try:
             async for chunk in self._upstream_range(pos, end):
+                if check is not None:
+                    await asyncio.to_thread(check.update, chunk)
+                    chunk, held = held, chunk
+                    if chunk is None:
+                        continue
                 await write(chunk)
                 sent += len(chunk)
         except (ProxyError, CacheError) as exc:
             raise DownloadFailed(self.url, exc) from exc
+        if check is not None:
+            bad = check.mismatches()
+            if bad:
+                log.warning("upstream %s: digest mismatch: %s", self.url, "; ".join(map(str, bad)))
+                raise DownloadFailed(self.url, DigestMismatch("; ".join(map(str, bad))))
+            if held is not None:
+                await write(held)
+                sent += len(held)
         return sent
 
 
@@ -579,7 +603,7 @@ class Inflight:
         batch. The digests are computed as the bytes are written (in parts: as the
         contiguous prefix grows), never by a second read of the finished file."""
         meta = body.meta
-        digester = Digester(meta.digests, prefix_md5=body.prefix_md5)
+        digester = dl.digester = Digester(meta.digests, prefix_md5=body.prefix_md5)
         async for n in body.pump(wfd, digester):
             dl.wrote(n)
             if dl.cached and meta.size is None and dl.written > partial.reserved:

@@ -233,6 +233,21 @@ class Digester:
         self._prefix = prefix_md5
         self.size = 0
 
+    def copy(self) -> Digester:
+        """An independent digester in this one's state (to go on from here elsewhere)."""
+        other = Digester.__new__(Digester)
+        other.declared = self.declared
+        other.unchecked = self.unchecked
+        other._hashers = {a: h.copy() for a, h in self._hashers.items()}
+        other._prefix = self._prefix
+        other.size = self.size
+        return other
+
+    @property
+    def checks(self) -> bool:
+        """Whether anything declared is to be compared (not just recorded)."""
+        return bool(self.declared) or self._prefix is not None
+
     def update(self, data: Any) -> None:
         """Feed the next bytes of the object (any buffer)."""
         n = len(data)

@@ -346,3 +346,13 @@ def test_an_uncached_object_is_checked_too(origin, transport, tmp_path, flip):
         assert settle(p)["entries"] == 0
     finally:
         p.stop(timeout=10)
+
+
+def test_digester_copy_goes_on_independently():
+    d = Digester([("md5", MD5)])
+    d.update(DATA[:5000])
+    other = d.copy()
+    other.update(DATA[5000:])
+    d.update(b"wrong")
+    assert other.mismatches() == [] and other.size == len(DATA)
+    assert [m.algorithm for m in d.mismatches()] == ["md5"]
