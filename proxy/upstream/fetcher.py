@@ -188,7 +188,12 @@ class Fetcher:
                     head.cancel()
                 raise
             if head is not None:
-                etag, declared = await head
+                try:
+                    etag, declared = await head
+                except BaseException:  # cancelled: the opened body must not leak
+                    if body is not None:
+                        body.close()
+                    raise
                 if body is not None and declared and etag == body.meta.etag:
                     merged = body.meta.digests + tuple(
                         d for d in declared if d not in body.meta.digests
