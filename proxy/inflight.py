@@ -33,19 +33,21 @@ import asyncio
 import contextlib
 import enum
 import functools
-import hashlib
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from proxy.metrics import ProxyMetrics
 from proxy.policy import cache_control_forbids, should_admit, vary_forbids
 from proxy.storehealth import StoreHealth
 from proxy.upstream import Fetcher, UpstreamBody
+from shardcache.digests import Digester
 from shardcache.errors import (
     CacheError,
+    DigestMismatch,
     DownloadFailed,
     IncompleteDownloadError,
     ProxyError,
@@ -109,6 +111,9 @@ class Download:
         # parallel parts written at their offsets: which to fetch first, how far each is
         self._order: Any = None
         self._preferred: list[int] = []
+        # the digests of the bytes written so far: a passthrough client reading to the end
+        # completes them with the rest it reads from the upstream
+        self.digester: Digester | None = None
 
     # -- producer ------------------------------------------------------------------------
 
@@ -389,13 +394,34 @@ class Download:
         stop = end if end is not None else self.meta.size
         if stop is not None and pos >= stop:
             return 0
+        # to the object's end, after bytes [0, pos) all hashed: the declared digests are
+        # checked, the last chunk held back until they match
+        check = self.digester
+        if check is None or not check.checks or check.size != pos or stop != self.meta.size:
+            check = None
+        else:
+            check = check.copy()
         sent = 0
+        held: bytes | None = None
         try:
             async for chunk in self._upstream_range(pos, end):
+                if check is not None:
+                    await asyncio.to_thread(check.update, chunk)
+                    chunk, held = held, chunk
+                    if chunk is None:
+                        continue
                 await write(chunk)
                 sent += len(chunk)
         except (ProxyError, CacheError) as exc:
             raise DownloadFailed(self.url, exc) from exc
+        if check is not None:
+            bad = check.mismatches()
+            if bad:
+                log.warning("upstream %s: digest mismatch: %s", self.url, "; ".join(map(str, bad)))
+                raise DownloadFailed(self.url, DigestMismatch("; ".join(map(str, bad))))
+            if held is not None:
+                await write(held)
+                sent += len(held)
         return sent
 
 
@@ -720,13 +746,16 @@ class Inflight:
             return None, f"store error: {exc}"
 
     async def _receive(self, dl: Download, body: UpstreamBody, partial: Partial, wfd: int) -> None:
-        """Write the whole body to the partial file, then check its length and digest.
-        Batches of up to 1 MiB are written off the loop (by the thread that received
-        them when the backend has one): the readers wake once per batch."""
+        """Write the whole body to the partial file, then check its length and every
+        digest the upstream declared (:mod:`shardcache.digests`); the digests computed
+        become the entry's. Batches of up to 1 MiB are written off the loop (by the
+        thread that received them when the backend has one): the readers wake once per
+        batch. The digests are computed as the bytes are written (in parts: as the
+        contiguous prefix grows), never by a second read of the finished file."""
         meta = body.meta
-        hasher = hashlib.md5(usedforsecurity=False) if meta.md5 else None
+        digester = dl.digester = Digester(meta.digests, prefix_md5=body.prefix_md5)
         flushed = 0
-        async for n in body.pump(wfd, hasher):
+        async for n in body.pump(wfd, digester):
             dl.wrote(n)
             if dl.cached and meta.size is None and dl.written > partial.reserved:
                 await self._grow(dl, partial)
@@ -737,8 +766,17 @@ class Inflight:
                 flushed = dl.written
         if meta.size is not None and dl.written != meta.size:
             raise IncompleteDownloadError(dl.url, dl.written, meta.size)
-        if hasher is not None and hasher.digest() != meta.md5:
-            raise UpstreamError(f"upstream {dl.url}: MD5 checksum mismatch")
+        bad = digester.mismatches()
+        for m in bad:
+            self.metrics.digest_mismatches.labels(m.algorithm).inc()
+            log.warning("upstream %s: %s digest mismatch: %s", dl.url, m.algorithm, m)
+        if bad:
+            raise DigestMismatch(f"upstream {dl.url}: digest mismatch: " + "; ".join(map(str, bad)))
+        for algorithm in digester.unchecked:
+            log.info(
+                "upstream %s: declared %s digest not checked (no implementation)", dl.url, algorithm
+            )
+        dl.meta = replace(dl.meta, digests=digester.computed())
 
     async def _commit(self, dl: Download, partial: Partial) -> Entry | None:
         """Turn the verified partial into an entry; None when only caching failed (the

@@ -146,6 +146,13 @@ class ProxyMetrics:
             "ranged probe: served, not cached.",
             registry=r,
         )
+        self.digest_mismatches = Counter(
+            "shardcache_digest_mismatches_total",
+            "Downloads whose bytes lacked a digest the upstream declared (not committed; "
+            "their clients' connections were aborted), by algorithm.",
+            ["algorithm"],
+            registry=r,
+        )
         self.store_writable = Gauge(
             "shardcache_store_writable",
             "1 while the store takes writes; 0 while misses pass through uncached.",

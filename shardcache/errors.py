@@ -23,6 +23,7 @@ boundary (``raise GopenError(...) from exc``) so callers catch one family::
             ├── UpstreamThrottled (503)                   -- overloaded; retried with backoff
             ├── UpstreamCut (502)                         -- a body broke off mid-way
             ├── ObjectChanged (502)                       -- another version answered
+            ├── DigestMismatch (502)                      -- bytes unlike the declared digest
             └── DownloadFailed (502)                      -- the download a client followed
 
 Errors that the proxy turns into responses carry ``status_hint`` (after h11's
@@ -56,6 +57,7 @@ __all__ = [
     "UpstreamThrottled",
     "UpstreamCut",
     "ObjectChanged",
+    "DigestMismatch",
     "DownloadFailed",
     "error_answer",
     "s3_code_for_status",
@@ -259,6 +261,12 @@ class UpstreamCut(UpstreamError):
 class ObjectChanged(UpstreamError):
     """Another version of the object answered (412, or a different ETag, Last-Modified or
     size): bytes of two versions are never joined."""
+
+
+class DigestMismatch(UpstreamError):
+    """The bytes received do not have a digest the upstream declared for them (Content-MD5,
+    x-goog-hash, an S3 ETag or checksum, the Hub's sha256): never committed nor served
+    as a clean end."""
 
 
 class DownloadFailed(UpstreamError):

@@ -223,6 +223,8 @@ class CheckReport:
     missing: int = 0
     size_mismatch: int = 0
     stale_partials: int = 0
+    verified: int = 0  # entries whose bytes were read and matched their digests (--verify)
+    digest_mismatch: int = 0  # entries whose bytes no longer have their recorded digests
 
 
 # --------------------------------------------------------------------------------------
@@ -1602,14 +1604,54 @@ class Store:
             "min_free_bytes": self.min_free,
         }
 
-    def check(self, fix: bool = False) -> CheckReport:
+    def check(self, fix: bool = False, *, verify: bool = False) -> CheckReport:
         """Reconcile the index with the directory; report (and with ``fix``, repair).
 
         Problems: rows whose file is missing or has the wrong size, entry files with no row
         (orphans: their URL is unknown, so they are removed), stale ``.part`` files and
         reservations of dead processes, leftover ``.del`` files, totals over ``cache_size``.
+        With ``verify``, also every entry whose bytes no longer have the digests recorded
+        when they were written (a disk or a hand changed them; the size alone cannot
+        tell): read in full, so it costs a read of the whole cache.
         """
-        return self._reconcile(fix=fix)
+        report = self._reconcile(fix=fix)
+        if verify:
+            self._verify_contents(report, fix)
+            report.ok = not report.problems
+        return report
+
+    def _verify_contents(self, report: CheckReport, fix: bool) -> None:
+        """Recompute each entry's recorded digests from its file; a mismatch is reported
+        and, with ``fix``, its entry removed (the next request fetches it again)."""
+        from shardcache.digests import file_digests
+
+        for entry in self.entries():
+            if not entry.digests:
+                continue  # written before digests were recorded
+            try:
+                got = file_digests(str(entry.path), [a for a, _ in entry.digests])
+            except FileNotFoundError:
+                continue  # removed since (or reported missing above)
+            except OSError as exc:
+                report.problems.append(f"entry {entry.path.name} ({entry.url}) unreadable: {exc}")
+                continue
+            bad = [
+                f"{a} recorded {want}, file has {got[a]}"
+                for a, want in entry.digests
+                if a in got and got[a] != want
+            ]
+            if not bad:
+                report.verified += 1
+                continue
+            report.digest_mismatch += 1
+            report.problems.append(
+                f"entry {entry.path.name} ({entry.url}) changed on disk: " + "; ".join(bad)
+            )
+            if fix and self.remove(entry.url):
+                report.fixed.append(f"dropped entry {entry.path.name} ({entry.url})")
+                log.info(
+                    "cache %s: dropped %s: its bytes changed on disk", self.cache_dir, entry.url
+                )
 
     def _reconcile(self, fix: bool, verify_sizes: bool = True) -> CheckReport:
         report = CheckReport(ok=True)

@@ -30,8 +30,10 @@ path-style ``/bucket/key`` and errors, including 404 for unknown keys, are S3 XM
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import email.utils
+import hashlib
 import re
 import socket
 import socketserver
@@ -141,6 +143,13 @@ class Scenario:
     # from its first byte), and a delay before the status line of every answer
     rate: float | None = None
     first_byte_delay: float = 0.0
+    # digests: extra header fields on every answer (x-goog-hash, X-Linked-Etag, ...);
+    # Content-MD5 of the whole object ("object", on 206s too) or of each answer's bytes
+    # ("body", as RFC 2616 says of a 206); the byte at this object offset sent inverted
+    # (on every answer that covers it), the declared digests being of the right bytes
+    headers: dict[str, str] = field(default_factory=dict)
+    content_md5: str | None = None
+    flip_at: int | None = None
     gets: int = 0  # GETs seen so far (the ordinal of the last one)
     interim: tuple[int, ...] = ()  # 1xx answers (103 Early Hints...) sent before each answer
 
@@ -490,6 +499,10 @@ class BadOrigin:
                 total += sc.total_skew
             rec.content_range = f"bytes {start}-{stop - 1}/{total}"
             headers_out["Content-Range"] = rec.content_range
+        headers_out.update(sc.headers)
+        if sc.content_md5 is not None:
+            body_md5 = v.data if sc.content_md5 == "object" else v.data[start:stop]
+            headers_out["Content-MD5"] = base64.b64encode(hashlib.md5(body_md5).digest()).decode()
         framing = (sc.ranged_framing or sc.framing) if ranged else sc.framing
         declared = stop - start
         if framing == "length":
@@ -519,7 +532,12 @@ class BadOrigin:
             bad = sc.bad_chunk_at
         try:
             out.hold(self._head(status, headers_out))  # with the first bytes of the body
-            end = self._body(out, rec, v.data, start, stop, framing, sc.chunk_size, cut, bad, sc)
+            data = v.data
+            if sc.flip_at is not None and start <= sc.flip_at < stop:
+                data = bytearray(data)
+                data[sc.flip_at] ^= 0xFF
+                data = bytes(data)
+            end = self._body(out, rec, data, start, stop, framing, sc.chunk_size, cut, bad, sc)
             # a length that lied: the connection cannot carry another answer
             lied = framing == "length" and declared != stop - start
             return "close" if lied and sc.length_skew_close else end

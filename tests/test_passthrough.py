@@ -64,6 +64,9 @@ class Spec:
     pause_at: int | None = None  # a response crossing this byte stops there until `gate`
     gate: threading.Event = field(default_factory=threading.Event)
     chunk: int = 256 * KiB
+    # an ETag that stays whatever the bytes become (an origin whose storage changed them)
+    etag_value: str | None = None
+    extra_headers: dict[str, str] = field(default_factory=dict)  # on every answer
 
 
 @dataclass
@@ -78,6 +81,8 @@ class VersionedOrigin(Origin):
 
     def etag_of(self, name: str) -> str | None:
         spec = self.specs.get(name, Spec())
+        if spec.etag_value is not None:
+            return spec.etag_value
         if spec.etag is None:
             return None
         tag = '"' + hashlib.md5(self.files[name]).hexdigest() + '"'
@@ -116,6 +121,7 @@ class VersionedOrigin(Origin):
             return web.Response(status=404, text="not found\n")
         etag, lm = self.etag_of(name), spec.last_modified
         headers = {"Content-Type": "application/x-tar", "Accept-Ranges": "bytes"}
+        headers.update(spec.extra_headers)
         if etag:
             headers["ETag"] = etag
         if lm:
@@ -533,3 +539,26 @@ def test_no_validator_disk_full_before_any_byte(rig, origin):
     assert not tail.clean and tail.received == 0, tail.describe()
     reqs = origin.requests("zero.tar")
     assert [r["range"] for r in reqs[1:]] == [None, None], reqs
+
+
+# --- 4: the continuation is checked against the digest the first answer declared -------
+
+
+def test_continuation_with_a_changed_byte_fails_the_declared_digest(rig, origin):
+    """The origin declared the object's Content-MD5; after the disk fills, the rest that
+    the clients read from the upstream has one byte changed under the same ETag (so no
+    validator can tell). Every client reading to the end is aborted, none ends cleanly
+    with that byte; the range that does not reach it is served whole."""
+    data = os.urandom(SIZE)
+    bad = bytearray(data)
+    bad[SIZE - 1000] ^= 0xFF
+    md5 = base64.b64encode(hashlib.md5(data).digest()).decode()
+    spec = Spec(pause_at=PAUSE, etag_value='"fixed"', extra_headers={"Content-MD5": md5})
+    out = run_disk_full(rig, origin, "obj.tar", data, spec, replace_with=bytes(bad))
+    assert_old_or_aborted(out, data)
+    for c in out.clients:
+        if c.end is None:
+            assert not c.clean, c.describe()
+        else:
+            assert c.clean, c.describe()
+    assert "digest mismatch" in out.log

@@ -10,6 +10,7 @@ worker threads (:mod:`.threaded`) or on the event loop (:mod:`.aio`), ``file://`
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections import OrderedDict
@@ -37,6 +38,7 @@ from proxy.upstream.s3 import S3Transport, S3Upstream
 from proxy.upstream.stream import Policy, UpstreamBody, ask, read, retrying
 from proxy.upstream.threaded import ThreadTransport, threadable
 from proxy.upstream.transport import Response, Transport, pump_chunks
+from shardcache.digests import content_md5, declared_digests
 from shardcache.errors import (
     NotFound,
     ProxyError,
@@ -222,7 +224,9 @@ class Fetcher:
         request asks for part 0 only (``Range: bytes=0-…``): a plain GET closed after its
         first part would leave the rest of the object in flight, sent by the origin (and
         billed) but never used. Its 206 tells the size and version the other parts are
-        pinned to; a whole-object digest is not part of a 206, so none is checked then.
+        pinned to, and the digests that are about the whole object (an S3 ETag,
+        x-goog-hash). S3 sends its full-object checksums only on whole-object answers:
+        for ``s3://`` a HEAD asks for them beside the first part (no added latency).
         ``at``: a byte a reader waits for (a cold Range): the first request asks for the
         part holding it instead, so that range is answered first; RangeNotSatisfiable
         (with the size) when the object ends before it.
@@ -231,13 +235,44 @@ class Fetcher:
         extra = dict(headers or {})
         if self._parts_for(scheme):
             index = at // self.part_size if at is not None and at > 0 else 0
-            body = await self._open_first_part(url, extra, index)
-            if body is None and index:
-                body = await self._open_first_part(url, extra, 0)
+            head = asyncio.ensure_future(self._head_digests(url)) if scheme == "s3" else None
+            try:
+                body = await self._open_first_part(url, extra, index)
+                if body is None and index:
+                    body = await self._open_first_part(url, extra, 0)
+            except BaseException:
+                if head is not None:
+                    head.cancel()
+                raise
+            if head is not None:
+                try:
+                    etag, declared = await head
+                except BaseException:  # cancelled: the opened body must not leak
+                    if body is not None:
+                        body.close()
+                    raise
+                if body is not None and declared and etag == body.meta.etag:
+                    merged = body.meta.digests + tuple(
+                        d for d in declared if d not in body.meta.digests
+                    )
+                    body.meta = replace(body.meta, digests=merged)
             if body is not None:
                 return body
         resp = await self._request("GET", url, extra, (200,), stream=True)
         return self._body(url, resp, ObjectMeta.from_headers(resp.headers, 200))
+
+    async def _head_digests(self, url: str) -> tuple[str | None, tuple[tuple[str, str], ...]]:
+        """The ETag of ``url`` and the whole-object digests a HEAD declares; nothing when
+        it fails (the download goes on with what its GET declared)."""
+        try:
+            resp = await self.transport(url).request("HEAD", url, {})
+            resp.close()
+        except Exception as exc:  # never fails the download
+            log.debug("HEAD %s for its checksums failed: %s", url, exc)
+            return None, ()
+        if resp.status != 200:
+            return None, ()
+        return resp.headers.get("ETag"), declared_digests(resp.headers, 200, s3=True)
 
     async def _open_first_part(
         self, url: str, extra: dict[str, str], index: int = 0
@@ -305,14 +340,16 @@ class Fetcher:
             # bytes are stored exactly as sent; a compressed representation is not a shard
             log.warning("upstream %s sent Content-Encoding %s", url, encoding)
         scheme = urlsplit(url).scheme.lower()
+        meta, prefix_md5 = self._declared(scheme, resp, meta)
         transport = self.transport(url, stream=True)
         if self._parts_for(scheme) and can_fetch_in_parts(meta, self.part_size):
             order = PartsOrder()
 
             def parts(sink: Any) -> Any:
                 kw = {"part_size": self.part_size, "parallel": self.parallel}
-                if sink is not None and sink[1] is None and PROC_FD:
+                if sink is not None and PROC_FD:
                     # straight into the file at each part's offset, nothing in memory
+                    # (a hasher follows the contiguous prefix, read back from the page cache)
                     return parts_pump(
                         transport,
                         url,
@@ -322,6 +359,7 @@ class Fetcher:
                         initial=resp,
                         initial_index=index,
                         order=order,
+                        hasher=sink[1],
                         **kw,
                     )
                 first = resp
@@ -331,14 +369,33 @@ class Fetcher:
                 chunks = parts_stream(transport, url, meta, policy=self.policy, initial=first, **kw)
                 return chunks if sink is None else pump_chunks(chunks, *sink)
 
-            body = UpstreamBody(url, meta, parts, resp.close)
+            body = UpstreamBody(url, meta, parts, resp.close, prefix_md5=prefix_md5)
             body.order = order
             return body
 
         def whole(sink: Any) -> Any:
             return read(transport, url, meta, 0, None, self.policy, first=resp, sink=sink)
 
-        return UpstreamBody(url, meta, whole, resp.close)
+        return UpstreamBody(url, meta, whole, resp.close, prefix_md5=prefix_md5)
+
+    @staticmethod
+    def _declared(
+        scheme: str, resp: Response, meta: ObjectMeta
+    ) -> tuple[ObjectMeta, tuple[int, str] | None]:
+        """``meta`` with the whole-object digests ``resp`` declares, and the Content-MD5
+        of a 206 from byte 0 (the part's digest or the object's: see
+        :class:`~shardcache.digests.Digester`)."""
+        declared = declared_digests(resp.headers, resp.status, s3=scheme == "s3")
+        prefix_md5 = None
+        if resp.status == 206:
+            value = content_md5(resp.headers)
+            if value is not None and ("md5", value) not in declared:
+                first, last, _ = parse_content_range(resp.headers.get("Content-Range"))
+                if first == 0:
+                    prefix_md5 = (last + 1, value)
+        if declared:
+            meta = replace(meta, digests=declared)
+        return meta, prefix_md5
 
     async def head(self, url: str, headers: Mapping[str, str] | None = None) -> ObjectMeta:
         """The object's size, validators and type from a HEAD, without its body."""

@@ -16,6 +16,7 @@ import collections
 import contextlib
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from proxy.upstream.options import DEFAULT_OPTIONS
 from proxy.upstream.stream import Policy, read
@@ -308,13 +309,18 @@ async def parts_pump(
     initial: Response | None = None,
     initial_index: int = 0,
     order: PartsOrder | None = None,
+    hasher: Any = None,
 ) -> AsyncIterator[int]:
     """The parts written straight into the file ``fd`` at their offsets, each through a
     descriptor of its own (by the transport's worker thread where it has one), nothing
     held in memory; yields how far the contiguous prefix of written bytes grew. Parts
     start in order, up to ``parallel`` at once — the one ``initial`` answers
     (``initial_index``) first, then those ``order`` prefers. Linux only
-    (``/proc/self/fd``)."""
+    (``/proc/self/fd``).
+
+    ``hasher`` (``update(bytes)``) is fed the object in order: a worker thread reads the
+    contiguous prefix back as it grows (from the page cache, where the bytes were just
+    written) while later parts still arrive; the fetch ends once it has caught up."""
     if meta.size is None:
         raise ValueError(f"{url}: size unknown, cannot fetch in parts")
     parts = plan_parts(meta.size, part_size)
@@ -361,6 +367,9 @@ async def parts_pump(
             await fill(index)
 
     tasks = [asyncio.ensure_future(worker()) for _ in range(min(parallel, len(parts)))]
+    hashed = _Follower(fd, hasher, meta.size) if hasher is not None else None
+    if hashed is not None:
+        tasks.append(hashed.task)
     for t in tasks:
         t.add_done_callback(lambda _: wake.set())  # a failure wakes the loop too
     reported = 0
@@ -383,14 +392,73 @@ async def parts_pump(
             if frontier > reported:
                 if policy.on_bytes is not None:
                     policy.on_bytes(frontier - reported)
+                if hashed is not None:
+                    hashed.advance(frontier)
                 yield frontier - reported
                 reported = frontier
             if all(t.done() for t in tasks) and reported < meta.size:
                 raise UpstreamError(f"{url}: parts ended at byte {reported} of {meta.size}")
         await asyncio.gather(*tasks)
     finally:
+        if hashed is not None:
+            hashed.close()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if initial is not None:
             initial.close()
+
+
+HASH_READ = 4 << 20  # bytes read back per call while following the prefix
+
+
+class _Follower:
+    """Feeds ``hasher`` the file's bytes ``[0, size)`` in order as the contiguous prefix
+    grows (:meth:`advance`), read back in a worker thread through a descriptor of its
+    own; its task ends once all ``size`` bytes are hashed (or raises what failed)."""
+
+    def __init__(self, fd: int, hasher: Any, size: int) -> None:
+        self.rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+        self.hasher = hasher
+        self.size = size
+        self.done = 0
+        self.frontier = 0
+        self._more = asyncio.Event()
+        self.task = asyncio.ensure_future(self._run())
+
+    def advance(self, frontier: int) -> None:
+        self.frontier = frontier
+        self._more.set()
+
+    def _hash(self, start: int, end: int) -> None:
+        pos = start
+        while pos < end:
+            data = os.pread(self.rfd, min(HASH_READ, end - pos), pos)
+            if not data:
+                raise UpstreamError(f"hashing: file ended at byte {pos} of {end}")
+            self.hasher.update(data)
+            pos += len(data)
+
+    async def _run(self) -> None:
+        while self.done < self.size:
+            await self._more.wait()
+            self._more.clear()
+            end = self.frontier
+            if end > self.done:
+                fut = asyncio.get_running_loop().run_in_executor(None, self._hash, self.done, end)
+                try:
+                    await asyncio.shield(fut)
+                except asyncio.CancelledError:
+                    # the descriptor is closed when this task ends: not under a read
+                    with contextlib.suppress(BaseException):
+                        await fut
+                    raise
+                self.done = end
+
+    def close(self) -> None:
+        if self.rfd >= 0:
+            fd, self.rfd = self.rfd, -1
+            if self.task.done():
+                os.close(fd)
+            else:  # a read may still run in its thread: close the descriptor after it
+                self.task.add_done_callback(lambda _: os.close(fd))

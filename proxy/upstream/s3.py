@@ -71,6 +71,15 @@ def _http_date(resp: dict) -> str | None:
     return None
 
 
+CHECKSUM_MODE = {"x-amz-checksum-mode": "ENABLED"}
+
+
+def _ask_checksums(request: Any, **_: Any) -> None:
+    """botocore's before-sign hook: ask S3 for the object's checksums."""
+    for name, value in CHECKSUM_MODE.items():
+        request.headers[name] = value
+
+
 class S3Response:
     """An answer of S3 as an HTTP origin would send it: status, headers, streamed body.
 
@@ -226,6 +235,12 @@ class S3Upstream:
         except ValueError as exc:  # e.g. a malformed endpoint URL
             await stack.aclose()
             raise ConfigError("--s3-endpoint-url", str(exc)) from exc
+        # S3 declares an object's full-object checksum (x-amz-checksum-*) only when asked;
+        # the header is added before signing (a presigned GET signs it too), not as
+        # botocore's ChecksumMode, whose own validation would hash every body a second
+        # time: the proxy checks what S3 declares itself (shardcache.digests)
+        for op in ("HeadObject", "GetObject"):
+            self._client.meta.events.register(f"before-sign.s3.{op}", _ask_checksums)
         self._stack = stack
         return self
 
@@ -392,6 +407,7 @@ class S3Transport:
     async def _threaded_get(self, url: str, headers: Mapping[str, str]) -> Any:
         signed = await self.s3.presign(url, quoted=True)
         h = {k: v for k, v in headers.items() if k in ("Range", "If-Match")}
+        h.update(CHECKSUM_MODE)  # signed into the presigned URL (_ask_checksums)
         resp = await self.threads.request("GET", signed, h, label=url)
         if resp.status < 400 or resp.status in (412, 416):
             return resp

@@ -23,7 +23,9 @@ from proxy.upstream.errors import status_error
 from proxy.upstream.options import RetryPolicy
 from proxy.upstream.resume import next_try, range_headers, verify
 from proxy.upstream.transport import Response, Transport
+from shardcache.digests import Digester
 from shardcache.errors import (
+    DigestMismatch,
     IncompleteDownloadError,
     ProxyError,
     UpstreamCut,
@@ -206,9 +208,14 @@ class UpstreamBody:
         meta: ObjectMeta,
         stream: Callable[[tuple[int, Any] | None], AsyncIterator[Any]],
         close: Callable[[], None],
+        *,
+        prefix_md5: tuple[int, str] | None = None,
     ) -> None:
         self.url = url
-        self.meta = meta
+        self.meta = meta  # meta.digests: what the upstream declared of the whole object
+        # (length, hex) of a Content-MD5 sent with a 206 for the first bytes (see
+        # shardcache.digests.Digester)
+        self.prefix_md5 = prefix_md5
         self._stream: Callable[[tuple[int, Any] | None], AsyncIterator[Any]] | None = stream
         self._close: Callable[[], None] | None = close
 
@@ -219,8 +226,15 @@ class UpstreamBody:
         return stream
 
     def chunks(self) -> AsyncIterator[bytes]:
-        """The body's bytes, resumed across upstream failures."""
-        return self._take()(None)
+        """The body's bytes, resumed across upstream failures. When the upstream declared
+        digests of the whole object, the last chunk is held back until they are checked:
+        a mismatch raises DigestMismatch instead of ending cleanly."""
+        chunks = self._take()(None)
+        if not self.meta.digests and self.prefix_md5 is None:
+            return chunks
+        return _checked(
+            self.url, chunks, Digester(self.meta.digests, record=(), prefix_md5=self.prefix_md5)
+        )
 
     def pump(self, fd: int, hasher: Any = None) -> AsyncIterator[int]:
         """Write the body to ``fd`` (and feed ``hasher``), yielding the count of each batch
@@ -232,3 +246,24 @@ class UpstreamBody:
         if self._close is not None:
             close, self._close = self._close, None
             close()
+
+
+async def _checked(
+    url: str, chunks: AsyncIterator[bytes], digester: Digester
+) -> AsyncIterator[bytes]:
+    """``chunks``, each fed to ``digester`` (off the loop) and passed on one chunk late,
+    the last only once every declared digest matched."""
+    held: bytes | None = None
+    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+        async for chunk in chunks:
+            await asyncio.to_thread(digester.update, chunk)
+            if held is not None:
+                yield held
+            held = chunk
+    bad = digester.mismatches()
+    if bad:
+        for m in bad:
+            log.warning("upstream %s: %s digest mismatch: %s", url, m.algorithm, m)
+        raise DigestMismatch(f"upstream {url}: digest mismatch: " + "; ".join(map(str, bad)))
+    if held is not None:
+        yield held

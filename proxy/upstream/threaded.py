@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import fcntl
 import http.client
 import os
+import queue
 import select
 import socket
 import ssl
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -167,19 +170,35 @@ class _ThreadedResponse:
             report(n)
             if self._can_splice(sink):
                 # the parser's buffer is drained: the rest moves socket -> pipe -> file
-                # in the kernel, never copied through this process
-                self._splice_rest(sink[0], report)
+                # in the kernel, never copied through this process (a hasher reads each
+                # batch back from the page cache)
+                if sink[1] is None:
+                    self._splice_rest(sink[0], report)
+                else:
+                    self._splice_hashed(sink[0], report, sink[1])
 
     def _can_splice(self, sink: tuple[int, Any]) -> bool:
         sock = self.conn.sock
         return (
             SPLICE
-            and sink[1] is None  # nothing to hash
             and bool(self.remaining)
             and self._error is None
             and isinstance(sock, socket.socket)
             and not isinstance(sock, ssl.SSLSocket)
         )
+
+    def _splice_hashed(self, fd: int, report: Callable[[int], None], hasher: Any) -> None:
+        """:meth:`_splice_rest`, each batch also fed to ``hasher`` (read back from the
+        file by a thread of its own); returns or raises once every batch is hashed."""
+        rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+        try:
+            rehash = _Rehash(rfd, os.lseek(fd, 0, os.SEEK_CUR), hasher, report)
+            try:
+                self._splice_rest(fd, rehash)
+            finally:
+                rehash.finish()  # before the body counts as received, and rfd closes
+        finally:
+            os.close(rfd)
 
     def _splice_rest(self, fd: int, report: Callable[[int], None]) -> None:
         """Move the rest of a Content-Length body from the socket to ``fd`` with splice,
@@ -260,6 +279,50 @@ class _ThreadedResponse:
             self.shutdown()
             self.resp.close()
             self.conn.close()
+
+
+class _Rehash:
+    """A ``report`` callback for spliced batches that also has them hashed: a thread of
+    its own reads each batch back from the file through ``rfd`` (the page cache: no disk
+    read) from ``pos`` on and feeds ``hasher``, so hashing overlaps receiving.
+    :meth:`finish` waits until every batch is hashed."""
+
+    def __init__(self, rfd: int, pos: int, hasher: Any, report: Callable[[int], None]) -> None:
+        self.rfd = rfd
+        self.pos = pos
+        self.hasher = hasher
+        self.report = report
+        self.error: OSError | None = None
+        self._batches: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="upstream-hash", daemon=True)
+        self._thread.start()
+
+    def __call__(self, n: int) -> None:
+        if self.error is not None:
+            raise _SinkError(self.error) from self.error
+        self._batches.put(n)
+        self.report(n)
+
+    def _run(self) -> None:
+        while (n := self._batches.get()) is not None:
+            end = self.pos + n
+            while self.error is None and self.pos < end:
+                try:
+                    data = os.pread(self.rfd, min(BATCH_BYTES, end - self.pos), self.pos)
+                    if not data:
+                        raise OSError(errno.EIO, f"file ended at byte {self.pos} while hashing")
+                except OSError as exc:  # a local failure, like a failed write
+                    self.error = exc
+                    break
+                self.hasher.update(data)
+                self.pos += len(data)
+
+    def finish(self) -> None:
+        """Wait for the hashing thread; raise what it failed with."""
+        self._batches.put(None)
+        self._thread.join()
+        if self.error is not None:
+            raise _SinkError(self.error) from self.error
 
 
 class ThreadResponse:

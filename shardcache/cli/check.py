@@ -77,10 +77,12 @@ def store_check(args: argparse.Namespace) -> int:
         raise ConfigError("--cache-dir", f"{cache_dir} has no shardcache index ({INDEX_NAME})")
     store = Store(cache_dir, reconcile=False)  # report first; repair only with --fix
     try:
-        report = store.check(fix=args.fix)
+        report = store.check(fix=args.fix, verify=getattr(args, "verify", False))
     finally:
         store.close()
     print(f"cache {cache_dir}: {report.entries} entries, {report.bytes} bytes")
+    if getattr(args, "verify", False):
+        print(f"verified {report.verified} entries, {report.digest_mismatch} changed on disk")
     for line in report.problems:
         print(f"problem: {line}")
     for line in report.fixed:
@@ -117,4 +119,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     c.add_argument("--cache-dir", required=True, help="the cache directory")
     c.add_argument("--fix", action="store_true", help="repair what can be repaired")
+    c.add_argument(
+        "--verify",
+        action="store_true",
+        help="also read every entry and compare its bytes with the digests recorded when "
+        "it was written (reads the whole cache); with --fix, entries that differ are removed",
+    )
     c.set_defaults(func=cmd_check)
