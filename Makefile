@@ -12,7 +12,7 @@ TORCH ?=
 # venv of their own, kept apart from the light $(VENV).
 CLIENTS_VENV := .venv-clients
 
-.PHONY: demo test test-torch test-clients lint bench clean
+.PHONY: demo test test-torch test-clients test-http lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,21 @@ $(CLIENTS_VENV)/.installed: pyproject.toml
 test-clients: $(CLIENTS_VENV)/.installed
 	$(CLIENTS_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "clients or torch" \
 	  tests/s3 tests/test_dataloader.py tests/test_dataset.py tests/test_plans_client.py
+
+# The public HTTP cache test suite (the one behind cache-tests.fyi) against the proxy, in
+# both --revalidate modes: CACHE_TESTS_DIR names a checkout of
+# github.com/http-tests/cache-tests with `npm install --omit=dev` run in it (node 20+).
+# Fails when a required test fails that bench/http_cache_tests_known.json does not list
+# with its reason; docs/http-cache-tests.md has the score and the list.
+CACHE_TESTS_DIR ?=
+test-http:
+ifeq ($(CACHE_TESTS_DIR),)
+	@echo "test-http skipped: CACHE_TESTS_DIR is not set (a checkout of" \
+	  "github.com/http-tests/cache-tests with its npm dependencies installed)"
+else
+	$(MAKE) $(VENV)/.installed-test
+	$(PY) bench/http_cache_tests.py --suite "$(CACHE_TESTS_DIR)"
+endif
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
