@@ -165,7 +165,7 @@ def test_errors_are_s3_xml_on_every_route(proxy):
         ("POST", "/shards/small.tar?uploads", 405, "MethodNotAllowed"),
         ("PUT", "/shards", 405, "MethodNotAllowed"),
         ("GET", "/shards?versioning", 501, "NotImplemented"),
-        ("GET", "/shards/small.tar?versionId=3", 501, "NotImplemented"),
+        ("GET", "/shards/small.tar?versionId=", 400, "InvalidArgument"),
         ("GET", "/shards/absent.tar", 404, "NoSuchKey"),
         ("GET", "/nosuchbucket/x.tar", 404, "NoSuchBucket"),
         ("GET", "/shards?list-type=3", 400, "InvalidArgument"),
