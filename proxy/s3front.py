@@ -38,7 +38,7 @@ from xml.etree import ElementTree as ET
 from aiohttp import web
 from yarl import URL
 
-from proxy.upstream.errors import PassedAnswer
+from proxy.upstream.errors import PassedAnswer, botocore_error
 from proxy.upstream.s3 import S3Upstream
 from proxy.upstream.s3url import join_key, parse_s3_url
 from shardcache.errors import ProxyError, error_answer, s3_code_for_status
@@ -736,12 +736,31 @@ class S3Front:
             root = ET.Element("LocationConstraint", xmlns=S3_NS)
             root.text = "" if self.region == "us-east-1" else self.region
             return web.Response(body=_xml(root), content_type="application/xml", headers=headers)
+        if "versioning" in q:
+            return await self._versioning(bucket, headers)
         other = [k for k in q if k not in LIST_PARAMS and k not in PRESIGN_PARAMS]
         if other:
             raise S3Error(501, "NotImplemented", f"bucket operation {other[0]!r} is not supported")
         if "list-type" in q and q["list-type"] != "2":
             raise S3Error(400, "InvalidArgument", f"invalid list-type {q['list-type']!r}")
         return await self._list(bucket, q, headers, v1="list-type" not in q)
+
+    async def _versioning(self, bucket: str, headers: dict[str, str]) -> web.Response:
+        """GetBucketVersioning as the store answers it (versionId reads go to the store);
+        a bucket that is not S3 has never been versioned."""
+        root = ET.Element("VersioningConfiguration", xmlns=S3_NS)
+        base = self.buckets[bucket]
+        if base.startswith("s3://") and self.s3 is not None:
+            loc = parse_s3_url(base)
+            await self.s3.ensure_started()
+            try:
+                result = await self.s3.client.get_bucket_versioning(Bucket=loc.bucket)
+            except Exception as exc:
+                raise botocore_error(f"s3://{loc.bucket}", exc, body=False) from exc
+            for tag in ("Status", "MFADelete"):
+                if result.get(tag):
+                    _sub(root, tag, result[tag])
+        return web.Response(body=_xml(root), content_type="application/xml", headers=headers)
 
     async def _list(
         self, bucket: str, query: Mapping[str, str], headers: dict[str, str], v1: bool

@@ -207,6 +207,9 @@ def test_version_reads_are_served_and_cached_per_version(front, boto):
             assert head["ContentLength"] == len(body) and head["VersionId"] == version
         latest = front.get_object(Bucket="ver", Key="k.tar")
         assert latest["Body"].read() == b"version two!" and latest["VersionId"] == v2
+    assert front.get_bucket_versioning(Bucket="ver")["Status"] == "Enabled"
+    assert "Status" not in front.get_bucket_versioning(Bucket="shards")
+    assert error_of(front.get_bucket_versioning, Bucket="gone")[:2] == (404, "NoSuchBucket")
     theirs = error_of(boto.get_object, Bucket=VERSIONED, Key="k.tar", VersionId="nope")
     mine = error_of(front.get_object, Bucket="ver", Key="k.tar", VersionId="nope")
     assert mine[:2] == theirs[:2] == (404, "NoSuchVersion")
