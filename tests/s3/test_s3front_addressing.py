@@ -164,7 +164,7 @@ def test_errors_are_s3_xml_on_every_route(proxy):
         ("DELETE", "/shards/small.tar", 405, "MethodNotAllowed"),
         ("POST", "/shards/small.tar?uploads", 405, "MethodNotAllowed"),
         ("PUT", "/shards", 405, "MethodNotAllowed"),
-        ("GET", "/shards?versioning", 501, "NotImplemented"),
+        ("GET", "/shards?lifecycle", 501, "NotImplemented"),
         ("GET", "/shards/small.tar?versionId=", 400, "InvalidArgument"),
         ("GET", "/shards/absent.tar", 404, "NoSuchKey"),
         ("GET", "/nosuchbucket/x.tar", 404, "NoSuchBucket"),
