@@ -5,11 +5,15 @@ pointed at the proxy (``endpoint_url``, path-style) see bucket ``shards``. The f
 aiohttp middleware (:meth:`S3Front.middleware`) placed inside the proxy's own:
 
 - ``GET|HEAD /{bucket}/{key}`` is authenticated, stripped of S3-only query parameters
-  (``x-id``, ``response-*``) and handed on to the proxy's normal shard handler (cache,
-  Range, 206 clipping); its errors come back as S3 XML error bodies for S3 clients.
+  (``x-id``, ``response-*``; ``versionId`` stays, a version being an object of its own)
+  and handed on to the proxy's normal shard handler (cache, Range, 206 clipping,
+  conditionals); the ``response-*`` overrides are applied to its answer, and its errors
+  (a failed precondition, the upstream's own error answers) come back as S3 XML error
+  bodies with the store's code for S3 clients.
 - ``HEAD /{bucket}``, ``GET /{bucket}?location``, ``GET /`` (ListBuckets) and
   ``GET /{bucket}?list-type=2&...`` (ListObjectsV2, passed through to the upstream S3 and
-  re-rendered with keys relative to the front's bucket) are answered here.
+  re-rendered with keys relative to the front's bucket) are answered here, asking the
+  store (for ``s3://`` buckets) whether the bucket exists and when it was created.
 - Requests may be anonymous, or signed with SigV4 (header or presigned query) using the
   configured key pair; signatures are recomputed with botocore's ``S3SigV4Auth`` and
   compared in constant time. With no key pair configured every request is accepted.
@@ -34,6 +38,7 @@ from xml.etree import ElementTree as ET
 from aiohttp import web
 from yarl import URL
 
+from proxy.upstream.errors import PassedAnswer, botocore_error
 from proxy.upstream.s3 import S3Upstream
 from proxy.upstream.s3url import join_key, parse_s3_url
 from shardcache.errors import ProxyError, error_answer, s3_code_for_status
@@ -48,6 +53,7 @@ __all__ = [
     "list_params",
     "render_error",
     "render_list_v2",
+    "store_error",
     "verify_sigv4",
 ]
 
@@ -56,6 +62,11 @@ REQUEST_ID = web.RequestKey("s3_request_id", str)
 # set on requests the front answers itself (listings, bucket and service calls): the
 # metrics count them apart from object reads
 S3_SERVICE_ROUTE = web.RequestKey("s3_service_route", str)
+# the response-* overrides of a GetObject/HeadObject, applied when its answer is prepared
+S3_OVERRIDES = web.RequestKey("s3_overrides", dict)
+# set on an S3 object read that did not ask for checksums (x-amz-checksum-mode: ENABLED):
+# S3 sends the stored x-amz-checksum-* fields only to those that ask
+S3_NO_CHECKSUMS = web.RequestKey("s3_no_checksums", bool)
 _BUCKET_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 LIST_PARAMS = frozenset(
     {
@@ -74,18 +85,21 @@ LIST_PARAMS = frozenset(
 )
 MAX_SKEW = dt.timedelta(minutes=15)
 MAX_PRESIGN_EXPIRES = 7 * 24 * 3600
+# GetObject/HeadObject query parameters that set a field of a successful answer
+RESPONSE_OVERRIDES = {
+    "response-content-type": "Content-Type",
+    "response-content-disposition": "Content-Disposition",
+    "response-content-encoding": "Content-Encoding",
+    "response-content-language": "Content-Language",
+    "response-cache-control": "Cache-Control",
+    "response-expires": "Expires",
+}
 # Query parameters of GetObject/HeadObject that do not change the bytes served.
-IGNORABLE_OBJECT_PARAMS = frozenset(
-    {
-        "x-id",
-        "response-content-type",
-        "response-content-disposition",
-        "response-content-encoding",
-        "response-content-language",
-        "response-cache-control",
-        "response-expires",
-    }
-)
+IGNORABLE_OBJECT_PARAMS = frozenset({"x-id", *RESPONSE_OVERRIDES})
+# what S3 says of a failed If-Match / If-Unmodified-Since
+PRECONDITION_MESSAGE = "At least one of the pre-conditions you specified did not hold"
+EPOCH = "1970-01-01T00:00:00.000Z"  # the creation date of a bucket the store cannot date
+OWNER = "shardcache"  # the owner named when the store names none (or is not S3)
 PRESIGN_PARAMS = frozenset(
     {
         "X-Amz-Algorithm",
@@ -220,6 +234,8 @@ def list_params(query: Mapping[str, str], base_prefix: str, v1: bool = False) ->
     delimiter = query.get("delimiter")
     if delimiter:
         params["Delimiter"] = delimiter
+    if v1 or query.get("fetch-owner") == "true":
+        params["FetchOwner"] = True  # the owner as the store names it
     if v1:
         marker = query.get("marker")
         if marker:
@@ -295,8 +311,8 @@ def render_list(
     if url_enc:
         _sub(root, "EncodingType", "url")
     _sub(root, "IsTruncated", "true" if truncated else "false")
-    if not v1 and query.get("continuation-token"):
-        _sub(root, "ContinuationToken", query["continuation-token"])
+    if not v1 and "continuation-token" in query:
+        _sub(root, "ContinuationToken", query["continuation-token"])  # even empty, as S3
     if not v1 and result.get("NextContinuationToken"):
         _sub(root, "NextContinuationToken", result["NextContinuationToken"])
     owner = v1 or query.get("fetch-owner") == "true"
@@ -309,8 +325,9 @@ def render_list(
         _sub(c, "StorageClass", obj.get("StorageClass", "STANDARD"))
         if owner:
             o = ET.SubElement(c, "Owner")
-            _sub(o, "ID", "shardcache")
-            _sub(o, "DisplayName", "shardcache")
+            theirs = obj.get("Owner") or {}
+            _sub(o, "ID", theirs.get("ID", OWNER))
+            _sub(o, "DisplayName", theirs.get("DisplayName", theirs.get("ID", OWNER)))
     for p in prefixes:
         cp = ET.SubElement(root, "CommonPrefixes")
         _sub(cp, "Prefix", enc(_strip(base_prefix, p["Prefix"])))
@@ -340,6 +357,23 @@ def render_error(
     _sub(root, "Resource", resource)
     _sub(root, "RequestId", request_id)
     return _xml(root)
+
+
+_CODE_RE = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
+_MESSAGE_RE = re.compile(rb"<Message>([^<]{0,1024})</Message>")
+
+
+def store_error(body: bytes) -> tuple[str | None, str | None]:
+    """The code and message of an S3 ``<Error>`` document (an upstream store's answer),
+    or None for each when ``body`` is not one."""
+    head = body[:65536]
+    if b"<Error>" not in head:
+        return None, None
+    code, message = _CODE_RE.search(head), _MESSAGE_RE.search(head)
+    return (
+        code.group(1).decode() if code else None,
+        message.group(1).decode("utf-8", "replace") if message else None,
+    )
 
 
 _AUTH_RE = re.compile(
@@ -520,9 +554,15 @@ class S3Front:
         try:
             self.authenticate(request)
             if target.kind in ("other", "nobucket"):
-                raise S3Error(404, "NoSuchBucket", f"no bucket {target.bucket!r} here")
+                names = ", ".join(sorted(self.buckets)) or "none"
+                raise S3Error(
+                    404,
+                    "NoSuchBucket",
+                    f"The specified bucket does not exist: no bucket {target.bucket!r} here "
+                    f"(the buckets of this front: {names})",
+                )
             if target.kind == "service":
-                return self._list_buckets(request)
+                return await self._list_buckets(request)
             if target.kind == "bucket":
                 return await self._bucket(request, target.bucket)
             if virtual:
@@ -536,6 +576,17 @@ class S3Front:
         except ProxyError as exc:
             if not s3ish:
                 raise
+            answer = exc.answer
+            if isinstance(answer, PassedAnswer):
+                if answer.status < 400:
+                    raise  # a success that is not the object: passed on as it was
+                # the upstream's own error answer: its status, and its code when it is an
+                # S3 error document (an S3 store behind an http(s) upstream)
+                status = 403 if answer.status == 401 else answer.status
+                code, message = store_error(answer.body)
+                code = code or s3_code_for_status(status)
+                message = message or str(exc)
+                return self._error(request, status, code, message, resource, request_id)
             status, code = error_answer(exc)
             return self._error(request, status, code, str(exc), resource, request_id, exc)
         except web.HTTPException as exc:
@@ -551,6 +602,14 @@ class S3Front:
         rid = request.get(REQUEST_ID)
         if rid is not None:
             response.headers.setdefault("x-amz-request-id", rid)
+        if request.get(S3_NO_CHECKSUMS):
+            for name in [k for k in response.headers if k.lower().startswith("x-amz-checksum-")]:
+                response.headers.popall(name, None)
+        overrides = request.get(S3_OVERRIDES)
+        if overrides and response.status in (200, 206):
+            # what the request asked the answer to say, over what the object says
+            for name, value in overrides.items():
+                response.headers[name] = value
 
     def _error(
         self,
@@ -606,37 +665,102 @@ class S3Front:
 
     # -- service and bucket level
 
-    def _list_buckets(self, request: web.Request) -> web.Response:
+    async def _store_buckets(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """The upstream store's ListBuckets: creation date by bucket name, and its owner
+        (``{}`` for either when there is no s3:// bucket or the store refuses: the proxy's
+        credentials may read objects without being allowed to list buckets)."""
+        if self.s3 is None or not any(b.startswith("s3://") for b in self.buckets.values()):
+            return {}, {}
+        try:
+            await self.s3.ensure_started()
+            result = await self.s3.client.list_buckets()
+        except Exception as exc:  # noqa: BLE001 - any failure: the front's own dates
+            log.info("the S3 upstream would not list its buckets (%s): dates unknown", exc)
+            return {}, {}
+        dates = {b["Name"]: b.get("CreationDate") for b in result.get("Buckets", [])}
+        return dates, dict(result.get("Owner") or {})
+
+    async def _list_buckets(self, request: web.Request) -> web.Response:
         if request.method not in ("GET", "HEAD"):
             raise S3Error(405, "MethodNotAllowed", "read-only cache: buckets can be listed only")
+        dates, store_owner = await self._store_buckets()
         root = ET.Element("ListAllMyBucketsResult", xmlns=S3_NS)
         owner = ET.SubElement(root, "Owner")
-        _sub(owner, "ID", "shardcache")
-        _sub(owner, "DisplayName", "shardcache")
+        _sub(owner, "ID", store_owner.get("ID", OWNER))
+        _sub(owner, "DisplayName", store_owner.get("DisplayName", store_owner.get("ID", OWNER)))
         bl = ET.SubElement(root, "Buckets")
         for name in sorted(self.buckets):
+            base = self.buckets[name]
+            created = dates.get(parse_s3_url(base).bucket) if base.startswith("s3://") else None
             b = ET.SubElement(bl, "Bucket")
             _sub(b, "Name", name)
-            _sub(b, "CreationDate", "1970-01-01T00:00:00.000Z")
+            _sub(b, "CreationDate", _s3_time(created) if created else EPOCH)
         return web.Response(body=_xml(root), content_type="application/xml")
+
+    async def _check_bucket(self, bucket: str) -> None:
+        """Raise NoSuchBucket when the store says the upstream bucket of ``bucket`` does
+        not exist (HeadBucket). Any other answer, a refusal included, leaves the bucket
+        standing: credentials may read objects without being allowed HeadBucket."""
+        base = self.buckets[bucket]
+        if not base.startswith("s3://") or self.s3 is None:
+            return
+        from botocore.exceptions import ClientError
+
+        loc = parse_s3_url(base)
+        try:
+            await self.s3.ensure_started()
+            await self.s3.client.head_bucket(Bucket=loc.bucket)
+        except ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status == 404:
+                raise S3Error(
+                    404,
+                    "NoSuchBucket",
+                    f"The specified bucket does not exist: the store has no bucket "
+                    f"{loc.bucket!r} (upstream of {bucket!r})",
+                ) from None
+            log.debug("HeadBucket %s: %s; taken as existing", loc.bucket, exc)
+        except Exception as exc:  # noqa: BLE001 - unreachable store: the bucket stands
+            log.debug("HeadBucket %s failed: %s; taken as existing", loc.bucket, exc)
 
     async def _bucket(self, request: web.Request, bucket: str) -> web.StreamResponse:
         headers = {"x-amz-bucket-region": self.region}
         if request.method == "HEAD":
+            await self._check_bucket(bucket)
             return web.Response(status=200, headers=headers)
         if request.method != "GET":
             raise S3Error(405, "MethodNotAllowed", "read-only cache: buckets can be listed only")
         q = request.query
         if "location" in q:
+            await self._check_bucket(bucket)
             root = ET.Element("LocationConstraint", xmlns=S3_NS)
             root.text = "" if self.region == "us-east-1" else self.region
             return web.Response(body=_xml(root), content_type="application/xml", headers=headers)
+        if "versioning" in q:
+            return await self._versioning(bucket, headers)
         other = [k for k in q if k not in LIST_PARAMS and k not in PRESIGN_PARAMS]
         if other:
             raise S3Error(501, "NotImplemented", f"bucket operation {other[0]!r} is not supported")
         if "list-type" in q and q["list-type"] != "2":
             raise S3Error(400, "InvalidArgument", f"invalid list-type {q['list-type']!r}")
         return await self._list(bucket, q, headers, v1="list-type" not in q)
+
+    async def _versioning(self, bucket: str, headers: dict[str, str]) -> web.Response:
+        """GetBucketVersioning as the store answers it (versionId reads go to the store);
+        a bucket that is not S3 has never been versioned."""
+        root = ET.Element("VersioningConfiguration", xmlns=S3_NS)
+        base = self.buckets[bucket]
+        if base.startswith("s3://") and self.s3 is not None:
+            loc = parse_s3_url(base)
+            await self.s3.ensure_started()
+            try:
+                result = await self.s3.client.get_bucket_versioning(Bucket=loc.bucket)
+            except Exception as exc:
+                raise botocore_error(f"s3://{loc.bucket}", exc, body=False) from exc
+            for tag in ("Status", "MFADelete"):
+                if result.get(tag):
+                    _sub(root, tag, result[tag])
+        return web.Response(body=_xml(root), content_type="application/xml", headers=headers)
 
     async def _list(
         self, bucket: str, query: Mapping[str, str], headers: dict[str, str], v1: bool
@@ -663,9 +787,15 @@ class S3Front:
             raise S3Error(
                 405, "MethodNotAllowed", "read-only cache: objects can be read (GET, HEAD) only"
             )
+        if s3ish and request.headers.get("x-amz-checksum-mode", "").upper() != "ENABLED":
+            request[S3_NO_CHECKSUMS] = True
         if s3ish and request.query_string:
             keep = []
+            version: str | None = None
+            overrides: dict[str, str] = {}
             for k, v in request.query.items():
+                if k in RESPONSE_OVERRIDES:
+                    overrides[RESPONSE_OVERRIDES[k]] = v
                 if k in IGNORABLE_OBJECT_PARAMS or k in PRESIGN_PARAMS:
                     continue
                 if k == "partNumber" and v == "1":
@@ -675,9 +805,22 @@ class S3Front:
                         416, "InvalidPartNumber", f"part {v} does not exist: objects are one part"
                     )
                 if k == "versionId":
-                    raise S3Error(501, "NotImplemented", f"{k} is not supported by this front")
+                    if not v:
+                        raise S3Error(
+                            400, "InvalidArgument", "Version id cannot be the empty string"
+                        )
+                    version = v
+                    continue
                 keep.append((k, v))
             if keep:
                 raise S3Error(400, "InvalidArgument", f"unsupported query parameter {keep[0][0]!r}")
-            request = request.clone(rel_url=request.rel_url.with_query(None))
-        return await handler(request)
+            if overrides:
+                request[S3_OVERRIDES] = overrides
+            # a version is an object of its own: its URL upstream and its cache key
+            query = None if version is None else {"versionId": version}
+            request = request.clone(rel_url=request.rel_url.with_query(query))
+        resp = await handler(request)
+        if s3ish and resp.status == 412 and not resp.prepared:
+            # the proxy's own answer to a failed If-Match / If-Unmodified-Since
+            raise S3Error(412, "PreconditionFailed", PRECONDITION_MESSAGE)
+        return resp

@@ -304,5 +304,5 @@ def s3_code_for_status(status: int) -> str:
 def error_answer(exc: ProxyError) -> tuple[int, str]:
     """What a client is told about ``exc``: the HTTP status and the S3 error code."""
     status = exc.status_hint
-    code = type(exc).s3_code if status == type(exc).status_hint else None
+    code = exc.s3_code if status == type(exc).status_hint else None
     return status, code or s3_code_for_status(status)

@@ -197,7 +197,16 @@ _S3_CODES: dict[str, type[ProxyError]] = {
 
 
 def s3_error(url: str, code: str, status: int, message: str = "") -> ProxyError:
-    """The error for an S3 error response (``code`` as S3 names it, may be empty)."""
+    """The error for an S3 error response (``code`` as S3 names it, may be empty). A
+    client refusal that keeps its status (NoSuchBucket, AccessDenied...) keeps the
+    store's code too, for the S3 front's clients."""
+    err = _s3_error(url, code, status, message)
+    if code and not code.isdigit() and 400 <= status < 500 and status == err.status_hint:
+        err.s3_code = code
+    return err
+
+
+def _s3_error(url: str, code: str, status: int, message: str) -> ProxyError:
     detail = f"{code or status}" + (f": {message}" if message and message != code else "")
     cls = _S3_CODES.get(code) or _S3_CODES.get(str(status))
     if cls is Forbidden:

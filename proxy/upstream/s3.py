@@ -296,7 +296,7 @@ class S3Upstream:
         """HEAD ``s3://bucket/key``: size, ETag, Last-Modified, Content-Type. ``retry``:
         how to retry throttling (None: this client's policy)."""
         loc = parse_s3_url(url, quoted=quoted)
-        params: dict[str, Any] = {"Bucket": loc.bucket, "Key": loc.key}
+        params: dict[str, Any] = loc.params()
         if if_match:
             params["IfMatch"] = if_match
         resp = await self._call(url, "head_object", retry, **params)
@@ -325,7 +325,7 @@ class S3Upstream:
         response streams; close it when done.
         """
         loc = parse_s3_url(url, quoted=quoted)
-        params: dict[str, Any] = {"Bucket": loc.bucket, "Key": loc.key}
+        params: dict[str, Any] = loc.params()
         header = format_range(range)
         if header:
             params["Range"] = header
@@ -372,7 +372,7 @@ class S3Upstream:
             return hit[1]
         loc = parse_s3_url(url, quoted=quoted)
         signed = await self.client.generate_presigned_url(
-            "get_object", Params={"Bucket": loc.bucket, "Key": loc.key}, ExpiresIn=3600
+            "get_object", Params=loc.params(), ExpiresIn=3600
         )
         if len(self._presigned) > 4096:
             self._presigned.clear()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, unquote
 
 from shardcache.errors import BadRequest, RangeNotSatisfiable
 
@@ -19,21 +19,34 @@ class S3Location:
 
     bucket: str
     key: str
+    version_id: str | None = None  # one version of the key (``?versionId=``), else the latest
 
     @property
     def url(self) -> str:
         return f"s3://{self.bucket}/{self.key}"
+
+    def params(self) -> dict[str, str]:
+        """botocore's object parameters: Bucket, Key and VersionId when one is named."""
+        out = {"Bucket": self.bucket, "Key": self.key}
+        if self.version_id is not None:
+            out["VersionId"] = self.version_id
+        return out
 
 
 def parse_s3_url(url: str, *, quoted: bool = False) -> S3Location:
     """Split ``s3://bucket/key`` (the key may be empty or a prefix) into an S3Location.
 
     ``quoted=True`` percent-decodes the key (the proxy's canonical URLs quote each path
-    segment). Raises BadRequest naming the URL when it is not a valid s3 URL.
+    segment) and reads ``versionId`` from the query, so that a version of an object is a
+    URL (and a cache entry) of its own. Raises BadRequest naming the URL when it is not a
+    valid s3 URL.
     """
     if not url.startswith("s3://"):
         raise BadRequest(f"{url!r}: not an s3:// URL")
-    rest = url[len("s3://") :].partition("?")[0] if quoted else url[len("s3://") :]
+    rest, query = url[len("s3://") :], ""
+    if quoted:
+        rest, _, query = rest.partition("?")
+    version = dict(parse_qsl(query, keep_blank_values=True)).get("versionId")
     bucket, _, key = rest.partition("/")
     if quoted:
         try:
@@ -44,7 +57,7 @@ def parse_s3_url(url: str, *, quoted: bool = False) -> S3Location:
         raise BadRequest(f"{url!r}: bad bucket name {bucket!r}")
     if "\x00" in key:
         raise BadRequest(f"{url!r}: NUL in key")
-    return S3Location(bucket, key)
+    return S3Location(bucket, key, version)
 
 
 def join_key(prefix: str, path: str) -> str:

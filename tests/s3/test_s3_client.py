@@ -42,6 +42,19 @@ def test_parse_s3_url():
     loc = parse_s3_url("s3://my-bucket/a/b/c.tar")
     assert (loc.bucket, loc.key, loc.url) == ("my-bucket", "a/b/c.tar", "s3://my-bucket/a/b/c.tar")
     assert parse_s3_url("s3://bkt").key == ""
+    assert loc.params() == {"Bucket": "my-bucket", "Key": "a/b/c.tar"}
+
+
+def test_a_version_is_part_of_the_url():
+    """The proxy's canonical URL of a version read carries ``?versionId=``: the version
+    goes to S3 with the key, and the URL (the cache key) differs from the latest's."""
+    loc = parse_s3_url("s3://bkt/a%20b.tar?versionId=v%2B1&x-id=GetObject", quoted=True)
+    assert (loc.key, loc.version_id) == ("a b.tar", "v+1")
+    assert loc.params() == {"Bucket": "bkt", "Key": "a b.tar", "VersionId": "v+1"}
+    assert parse_s3_url("s3://bkt/a.tar", quoted=True).version_id is None
+
+
+def test_parse_s3_url_rejects():
     for bad in ("http://x/y", "s3:///key", "s3://a/key", "s3://bad bucket/k", "s3://bkt/a\x00b"):
         with pytest.raises(BadRequest):
             parse_s3_url(bad)

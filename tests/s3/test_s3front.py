@@ -20,6 +20,7 @@ from proxy.s3front import (
     classify_request,
     list_params,
     render_list_v2,
+    store_error,
     verify_sigv4,
 )
 from proxy.upstream.s3 import S3Upstream, join_key, parse_s3_url
@@ -88,6 +89,13 @@ def test_render_list_v2_parses_with_botocore():
     assert parsed["Contents"][0]["Key"] == "a%20b%2Bc.tar"  # boto3 then url-decodes it
     assert parsed["CommonPrefixes"][0]["Prefix"] == "sub/"
     assert parsed["IsTruncated"] and parsed["NextContinuationToken"] == "next"
+
+
+def test_store_error_reads_an_s3_error_document():
+    body = b'<?xml version="1.0"?><Error><Code>NoSuchVersion</Code><Message>gone</Message></Error>'
+    assert store_error(body) == ("NoSuchVersion", "gone")
+    assert store_error(b"<html>Not Found</html>") == (None, None)
+    assert store_error(b"<Error><Code>bad code!</Code></Error>") == (None, None)
 
 
 def test_front_needs_both_keys():
