@@ -62,6 +62,7 @@ from shardcache.errors import (
     error_answer,
 )
 from shardcache.meta import whole_body_only
+from shardcache.sizes import format_size
 from shardcache.store import Entry, Store, disk_full
 
 __all__ = [
@@ -261,10 +262,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     app[RUNTIME]["scheduling"] = scheduling
     app[RUNTIME]["ready"] = True
     log.info(
-        "cache %s: limit %d bytes, %d kept free, policy %s, revalidate %s; upstreams: %s",
+        "cache %s: limit %s, %s kept free, policy %s, revalidate %s; upstreams: %s",
         s.cache_dir,
-        store.cache_size,
-        store.min_free,
+        format_size(store.cache_size),
+        format_size(store.min_free),
         s.eviction,
         "never"
         if s.revalidate is None

@@ -641,7 +641,7 @@ class Inflight:
         if not health.writable:
             return None, "the store is not writable"
         if not should_admit(meta.size, self.cache_size):
-            return None, f"size {meta.size} not admitted"
+            return None, await asyncio.to_thread(self.store.why_no_room, meta.size)
         try:
             partial = await asyncio.to_thread(
                 # a download started ahead of its reader must be kept for it
@@ -650,11 +650,7 @@ class Inflight:
                 )
             )
             if partial is None:
-                return None, (
-                    "no room: caching it would evict entries read sooner (read plans)"
-                    if self.store.planner is not None
-                    else "no room in the cache"
-                )
+                return None, await asyncio.to_thread(self.store.why_no_room, meta.size)
             return partial, ""
         except CacheError as exc:
             err = health.classify("create", exc)

@@ -1,0 +1,114 @@
+"""What an operator reads: bounds named in readable units and with their reason, the
+evictions behind a hit ratio, one URL form for every tool, the version everywhere."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from shardcache.store import Store
+from tests.proxy_helpers import Origin, ProxyProcess
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+@pytest.fixture
+def rig(tmp_path: Path):
+    started: list = []
+
+    def make(files: dict[str, bytes], *args: str):
+        origin = Origin(files=dict(files)).start()
+        proxy = ProxyProcess(tmp_path / "cache", "--upstream", origin.url, *args).start()
+        started.append((origin, proxy))
+        return origin, proxy
+
+    yield make
+    for origin, proxy in started:
+        proxy.stop()
+        origin.stop()
+
+
+def call(proxy: ProxyProcess, method: str, path: str, body: object | None = None):
+    """(status, body as JSON or text, headers)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(proxy.url + path, data=data, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            raw, status, hdrs = r.read(), r.status, dict(r.headers)
+    except urllib.error.HTTPError as exc:
+        raw, status, hdrs = exc.read(), exc.code, dict(exc.headers)
+    text = raw.decode(errors="replace")
+    try:
+        return status, json.loads(text), hdrs
+    except ValueError:
+        return status, text, hdrs
+
+
+def get(proxy: ProxyProcess, path: str) -> tuple[int, str | None, bytes]:
+    with urllib.request.urlopen(proxy.url + path, timeout=30) as r:
+        return r.status, r.headers.get("X-Cache"), r.read()
+
+
+def settle(proxy: ProxyProcess, timeout: float = 15) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = call(proxy, "GET", "/-/stats")[1]
+        if st["in_flight"] == 0 and st.get("reserved", 0) == 0:
+            return st
+        assert time.monotonic() < deadline, st
+        time.sleep(0.05)
+
+
+def wait_log(proxy: ProxyProcess, pattern: str, timeout: float = 10) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = re.search(pattern, proxy.log_text())
+        if m:
+            return m.group(0)
+        assert time.monotonic() < deadline, f"no {pattern!r} in:\n{proxy.log_text()}"
+        time.sleep(0.05)
+
+
+# --- sizes in logs, and the bound named --------------------------------------------------
+
+
+def test_a_shard_larger_than_the_cache_names_the_bound_in_readable_units(rig):
+    _, proxy = rig({"big.tar": b"x" * (2 * MiB)}, "--cache-size", "1MiB", "--min-free", "0")
+    assert re.search(r"limit 1\.0 MiB, 0 B kept free", proxy.log_text()), proxy.log_text()
+    assert get(proxy, "/big.tar")[1] == "BYPASS"
+    line = wait_log(proxy, r"not cached \(.*\)")
+    assert "size 2.0 MiB exceeds the bound in force, the cache size, 1.0 MiB" in line, line
+
+
+def test_a_full_keep_cache_says_why_it_admits_nothing(rig):
+    files = {"a.tar": b"a" * (600 * KiB), "b.tar": b"b" * (600 * KiB)}
+    _, proxy = rig(files, "--cache-size", "1MiB", "--min-free", "0", "--eviction", "keep")
+    assert get(proxy, "/a.tar")[1] == "MISS"
+    settle(proxy)
+    assert get(proxy, "/b.tar")[1] == "BYPASS"
+    line = wait_log(proxy, r"b\.tar not cached \(.*\)")
+    assert "no room for size 600.0 KiB" in line, line
+    assert "--eviction keep" in line and "600.0 KiB cached" in line, line
+    assert "the cache size, 1.0 MiB" in line, line
+
+
+def test_a_bound_lowered_by_min_free_says_so(tmp_path):
+    """A cache size beyond the filesystem is lowered to keep --min-free free: the warning
+    and the reason a download is not admitted both say so, in readable units."""
+    store = Store(tmp_path / "c", cache_size=1 << 60, min_free=0)
+    try:
+        warning = store.size_warning or ""
+        assert re.search(r"^cache size 1024\.0 PiB exceeds .* kept free by --min-free\)", warning)
+        assert not re.search(r"\d{7,}", warning), warning  # no raw byte counts
+        why = store.why_no_room(1 << 59)
+        assert "exceeds the bound in force" in why and "lowered to keep" in why, why
+        assert "--min-free" in why, why
+    finally:
+        store.close()
