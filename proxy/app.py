@@ -44,6 +44,7 @@ from proxy.policy import range_start as _range_start  # where a client's range b
 from proxy.s3front import S3_SERVICE_ROUTE, S3Front
 from proxy.sendfile import send_file
 from proxy.storehealth import StoreHealth
+from proxy.thrash import ThrashWatch
 from proxy.upstream import Fetcher, ObjectMeta, S3Upstream, UpstreamBody
 from proxy.upstream.redirects import RedirectPolicy
 from proxy.upstream.resume import can_resume
@@ -180,9 +181,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     s = app[SETTINGS]
     m = app[METRICS]
 
+    thrash = ThrashWatch()
+
     def on_evict(entry: Entry) -> None:
         m.evictions.inc()
         m.evicted_bytes.inc(entry.size)
+        if entry.hits == 0:
+            m.evicted_unread.inc()
+        thrash.evicted(entry.size, entry.hits)
 
     def open_store() -> tuple[Store, StoreWriteError | None]:
         st = Store(
@@ -205,6 +211,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         return st, None
 
     store, full = await asyncio.to_thread(open_store)
+    thrash.bound = store.describe_bound
     if store.size_warning:
         log.warning("%s", store.size_warning)
     m.cache_limit.set(store.cache_size)
@@ -1197,6 +1204,9 @@ async def _stats(request: web.Request) -> web.Response:
         "hit_ratio": (t["hits"] / total) if total else 0.0,
         "upstream_bytes": t["upstream_bytes"],
         "served_bytes": t["served_bytes"],
+        "evictions": t["evictions"],
+        "evicted_bytes": t["evicted_bytes"],
+        "evicted_before_reuse": t["evicted_unread"],
         "workers": request.app[SETTINGS].workers,
         "pid": os.getpid(),
         "store": {

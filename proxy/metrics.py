@@ -16,6 +16,7 @@ Names (all prefixed ``shardcache_``)::
     cache_entries                     complete entries
     evictions_total                   entries evicted
     evicted_bytes_total               bytes evicted
+    evicted_unread_total              entries evicted before their first re-use
     downloads_in_progress             downloads of this proxy running now
     time_to_first_byte_seconds        from request to the first body byte sent (histogram)
     failed_downloads_total            downloads abandoned mid-body (their clients aborted)
@@ -112,6 +113,11 @@ class ProxyMetrics:
         self.evicted_bytes = Counter(
             "shardcache_evicted_bytes_total", "Bytes of evicted cache entries.", registry=r
         )
+        self.evicted_unread = Counter(
+            "shardcache_evicted_unread_total",
+            "Cache entries evicted before their first re-use (a cache that thrashes).",
+            registry=r,
+        )
         self.downloads_in_progress = Gauge(
             "shardcache_downloads_in_progress",
             "Upstream downloads running now.",
@@ -206,9 +212,17 @@ class ProxyMetrics:
             self.response_bytes.labels(cache=cache).inc(nbytes)
 
     def totals(self) -> dict[str, int]:
-        """Hits, misses (MISS, COALESCED, BYPASS), upstream and served bytes, across all
-        workers."""
-        out = {"hits": 0, "misses": 0, "upstream_bytes": 0, "served_bytes": 0}
+        """Hits, misses (MISS, COALESCED, BYPASS), upstream and served bytes, evictions,
+        across all workers."""
+        out = {
+            "hits": 0,
+            "misses": 0,
+            "upstream_bytes": 0,
+            "served_bytes": 0,
+            "evictions": 0,
+            "evicted_bytes": 0,
+            "evicted_unread": 0,
+        }
         for metric in self.exposed.collect():
             for s in metric.samples:
                 if s.name == "shardcache_requests_total":
@@ -221,6 +235,12 @@ class ProxyMetrics:
                     out["upstream_bytes"] += int(s.value)
                 elif s.name == "shardcache_response_bytes_total":
                     out["served_bytes"] += int(s.value)
+                elif s.name == "shardcache_evictions_total":
+                    out["evictions"] += int(s.value)
+                elif s.name == "shardcache_evicted_bytes_total":
+                    out["evicted_bytes"] += int(s.value)
+                elif s.name == "shardcache_evicted_unread_total":
+                    out["evicted_unread"] += int(s.value)
         return out
 
 

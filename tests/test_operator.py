@@ -112,3 +112,63 @@ def test_a_bound_lowered_by_min_free_says_so(tmp_path):
         assert "--min-free" in why, why
     finally:
         store.close()
+
+
+# --- a cache that explains its hit ratio ---------------------------------------------------
+
+
+def test_a_thrashing_cache_counts_its_evictions_and_warns_once(rig):
+    """Two epochs over 12 shards through a cache that holds 3: every entry is evicted
+    before its re-use. /-/stats and ``shardcache stats`` count it; the log says so once,
+    with the remedies."""
+    files = {f"s{i:02d}.tar": bytes([i]) * (300 * KiB) for i in range(12)}
+    _, proxy = rig(files, "--cache-size", "1MiB", "--min-free", "0")
+    for _epoch in range(2):
+        for name in files:
+            status, cache, body = get(proxy, f"/{name}")
+            assert (status, cache, body) == (200, "MISS", files[name])
+            settle(proxy)
+    st = call(proxy, "GET", "/-/stats")[1]
+    assert st["hit_ratio"] == 0.0
+    assert st["evictions"] >= 20, st
+    assert st["evicted_bytes"] == st["evictions"] * 300 * KiB, st
+    assert st["evicted_before_reuse"] == st["evictions"], st
+    warnings = re.findall(r"WARNING .*cache thrashing.*", proxy.log_text())
+    assert len(warnings) == 1, proxy.log_text()
+    for remedy in ("--cache-size", "--eviction keep", "read plan", "the cache size, 1.0 MiB"):
+        assert remedy in warnings[0], warnings[0]
+
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "shardcache", "stats", "--proxy", proxy.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert re.search(rf"evictions\s+{st['evictions']}\b", out), out
+    assert re.search(r"evicted_bytes\s+\d+\.\d MiB", out), out
+    assert re.search(r"evicted_before_reuse\s+\d+", out), out
+
+
+def test_thrash_watch_needs_a_sustained_rate_of_unread_evictions_and_is_rate_limited():
+    from proxy.thrash import ThrashWatch
+
+    now = [0.0]
+    w = ThrashWatch(lambda: "the cache size, 1.0 MiB", clock=lambda: now[0])
+    for _ in range(50):  # entries that were re-used before eviction: a working cache
+        w.evicted(MiB, hits=3)
+    assert w.warnings == 0
+    for _ in range(7):  # a few unread evictions, spread out: not sustained
+        now[0] += 61
+        w.evicted(MiB, hits=0)
+    assert w.warnings == 0
+    for _ in range(20):  # a burst: one warning, then quiet
+        now[0] += 1
+        w.evicted(MiB, hits=0)
+    assert w.warnings == 1
+    now[0] += 601
+    for _ in range(8):
+        w.evicted(MiB, hits=0)
+    assert w.warnings == 2
