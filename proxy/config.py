@@ -220,7 +220,15 @@ def _cache_dir(text: str) -> Path:
     if not text.strip():
         raise ValueError("must not be empty")
     path = Path(text).expanduser()
-    if path.exists() and not path.is_dir():
+    try:
+        is_file = path.exists() and not path.is_dir()
+    except OSError as exc:  # a parent this uid may not search (e.g. /root/cache)
+        uid = os.getuid() if hasattr(os, "getuid") else "?"
+        raise ValueError(
+            f"{text}: cannot look it up ({exc.strerror or exc}); running as uid {uid}: make "
+            "its parent directories searchable by this uid, or choose another --cache-dir"
+        ) from None
+    if is_file:
         raise ValueError(f"{text} exists and is not a directory")
     return path
 

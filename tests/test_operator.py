@@ -4,7 +4,11 @@ evictions behind a hit ratio, one URL form for every tool, the version everywher
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -138,9 +142,6 @@ def test_a_thrashing_cache_counts_its_evictions_and_warns_once(rig):
     for remedy in ("--cache-size", "--eviction keep", "read plan", "the cache size, 1.0 MiB"):
         assert remedy in warnings[0], warnings[0]
 
-    import subprocess
-    import sys
-
     out = subprocess.run(
         [sys.executable, "-m", "shardcache", "stats", "--proxy", proxy.url],
         capture_output=True,
@@ -172,3 +173,86 @@ def test_thrash_watch_needs_a_sustained_rate_of_unread_evictions_and_is_rate_lim
     for _ in range(8):
         w.evicted(MiB, hits=0)
     assert w.warnings == 2
+
+
+# --- cache directories this uid cannot use --------------------------------------------------
+
+NO_DAC = "-dac_override,-dac_read_search,-fowner"
+
+
+def as_plain_user(tmp_path: Path) -> list[str]:
+    """A command prefix that runs a program as this uid without the powers of root over
+    file permissions (tests run as root, whom a mode of 000 does not stop). Skips when
+    that cannot be arranged here."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv (util-linux) to drop the permission override")
+    closed = tmp_path / "probe"
+    closed.mkdir(mode=0o000)
+    prefix = ["setpriv", f"--bounding-set={NO_DAC}", "--"]
+    res = subprocess.run([*prefix, "ls", str(closed)], capture_output=True, timeout=30)
+    if res.returncode == 0:
+        pytest.skip("setpriv could not drop the permission override here")
+    return prefix
+
+
+def shardcache_cmd(
+    prefix: list[str], *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "shardcache", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, **(env or {})),
+        cwd=cwd,
+    )
+
+
+def test_a_cache_dir_under_a_parent_this_uid_cannot_search_is_a_usage_error(tmp_path):
+    prefix = as_plain_user(tmp_path)
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o000)
+    readonly = tmp_path / "readonly"
+    readonly.mkdir(mode=0o555)
+    for cache in (closed / "cache", readonly / "cache"):
+        res = shardcache_cmd(
+            prefix,
+            "serve",
+            "--port",
+            "0",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--cache-dir",
+            str(cache),
+        )
+        out = res.stdout + res.stderr
+        assert res.returncode == 2, out
+        assert "Traceback" not in out, out
+        assert str(cache) in out and "Permission denied" in out and "uid 0" in out, out
+        assert "--cache-dir" in out, out
+
+
+def test_ls_and_check_on_an_unreadable_dir_say_why(tmp_path):
+    prefix = as_plain_user(tmp_path)
+    cache = tmp_path / "cache"
+    Store(cache).close()
+    cache.chmod(0o000)
+    try:
+        for tool in ("ls", "check"):
+            res = shardcache_cmd(prefix, tool, "--cache-dir", str(cache))
+            assert res.returncode != 0
+            assert f"cannot read {cache} (Permission denied)" in res.stderr, res.stderr
+            assert "no .shardcache.sqlite" not in res.stderr, res.stderr
+    finally:
+        cache.chmod(0o755)
+
+
+def test_check_reads_the_cache_dir_variable_and_names_a_relative_dir_in_full(tmp_path):
+    with Store(tmp_path / "cache") as store:
+        partial = store.begin("http://h/a.tar", 3)
+        partial.path.write_bytes(b"abc")
+        store.commit(partial, 3)
+    # run from tmp_path: the variable holds a relative path
+    res = shardcache_cmd([], "check", env={"SHARDCACHE_CACHE_DIR": "cache"}, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.splitlines()[0] == f"cache directory {tmp_path / 'cache'}: 1 entries, 3 bytes"
