@@ -1208,6 +1208,9 @@ async def _stats(request: web.Request) -> web.Response:
         "evicted_bytes": t["evicted_bytes"],
         "evicted_before_reuse": t["evicted_unread"],
         "workers": request.app[SETTINGS].workers,
+        # what the tools need to map an upstream URL to this proxy's path
+        "upstreams": [str(u) for u in request.app[SETTINGS].upstreams],
+        "allow_hosts": list(request.app[SETTINGS].allow_hosts),
         "pid": os.getpid(),
         "store": {
             **request.app[HEALTH].snapshot(),
@@ -1261,6 +1264,13 @@ def _canonical(request: web.Request, url: str) -> str:
         raise BadRequest("each URL must be a non-empty string")
     try:
         return map_url(url, s.upstreams, s.allow_hosts, s.max_path_length)
+    except Forbidden:
+        # a typo in the URL or the upstream is far likelier than a wish for an open proxy
+        names = ", ".join(str(u) for u in s.upstreams) or "none"
+        raise Forbidden(
+            f"{url}: under none of this proxy's upstreams ({names}); check both for a typo "
+            "(a URL of another host is fetched only when --allow-host names the host)"
+        ) from None
     except ProxyError as exc:
         raise type(exc)(f"{url}: {exc}") from None
 
@@ -1292,7 +1302,7 @@ async def _prefetch(request: web.Request) -> web.Response:
     for u in _expand(body):
         if len(urls) >= MAX_PREFETCH:
             raise BadRequest(f"more than {MAX_PREFETCH} URLs in one prefetch")
-        urls.append(_canonical(request, u))
+        urls.append(_plan_url(request, u))  # the URL forms a read plan takes
     app = request.app
     store = app[STORE]
     # What is cached when the request is answered is not fetched again, even if it is

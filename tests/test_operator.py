@@ -256,3 +256,62 @@ def test_check_reads_the_cache_dir_variable_and_names_a_relative_dir_in_full(tmp
     res = shardcache_cmd([], "check", env={"SHARDCACHE_CACHE_DIR": "cache"}, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.splitlines()[0] == f"cache directory {tmp_path / 'cache'}: 1 entries, 3 bytes"
+
+
+# --- one URL form everywhere ----------------------------------------------------------------
+
+
+def prefetch_cli(proxy: ProxyProcess, pattern: str) -> subprocess.CompletedProcess:
+    return shardcache_cmd([], "prefetch", "--quiet", "--proxy", proxy.url, pattern)
+
+
+def test_prefetch_takes_upstream_urls_proxy_urls_and_paths(tmp_path):
+    files = {f"data/s{i}.tar": bytes([i]) * 1000 for i in range(6)}
+    origin = Origin(files=dict(files)).start()
+    proxy = ProxyProcess(
+        tmp_path / "cache", "--upstream", f"{origin.url}/data", "--upstream", f"named={origin.url}"
+    ).start()
+    try:
+        forms = [
+            f"{origin.url}/data/s{{0..1}}.tar",  # under the unnamed upstream
+            f"{proxy.url}/s2.tar",  # a URL of the proxy
+            f"http://localhost:{proxy.port}/s3.tar",  # ... under another loopback name
+            "/s4.tar",  # a path on the proxy
+        ]
+        for pattern in forms:
+            res = prefetch_cli(proxy, pattern)
+            assert res.returncode == 0, res.stdout + res.stderr
+        for i in range(5):
+            assert get(proxy, f"/s{i}.tar")[1] == "HIT", i
+        assert sum(origin.gets.values()) == 5, origin.gets
+        # under the named upstream, the longest base matching wins: /data/s5.tar there
+        res = prefetch_cli(proxy, f"{origin.url}/data/s5.tar")
+        assert res.returncode == 0, res.stderr
+        assert get(proxy, "/s5.tar")[1] == "HIT"
+        # a URL under no upstream: the upstreams named, once, not 403 advice per shard
+        res = prefetch_cli(proxy, "http://elsewhere.example/data/s{0..3}.tar")
+        assert res.returncode == 1
+        assert "under none of the proxy's upstreams" in res.stderr, res.stderr
+        assert f"{origin.url}/data" in res.stderr and "HTTP 403" not in res.stderr, res.stderr
+        assert res.stderr.count("\n") == 1, res.stderr
+    finally:
+        proxy.stop()
+        origin.stop()
+
+
+def test_the_prefetch_route_maps_urls_as_read_plans_do(rig):
+    files = {f"s{i}.tar": bytes([i]) * 1000 for i in range(3)}
+    origin, proxy = rig(files)
+    body = {"urls": [f"{proxy.url}/s0.tar", f"{origin.url}/s1.tar", "/s2.tar"]}
+    status, answer, _ = call(proxy, "POST", "/-/prefetch", body)
+    assert status == 202, answer
+    settle(proxy)
+    deadline = time.monotonic() + 10
+    while sum(origin.gets.values()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    settle(proxy)
+    for name in files:
+        assert get(proxy, f"/{name}")[1] == "HIT", name
+    status, text, _ = call(proxy, "POST", "/-/prefetch", {"urls": ["http://elsewhere.example/x"]})
+    assert status == 400, text
+    assert "under none of this proxy's upstreams" in text and origin.url in text, text
