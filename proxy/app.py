@@ -48,6 +48,7 @@ from proxy.thrash import ThrashWatch
 from proxy.upstream import Fetcher, ObjectMeta, S3Upstream, UpstreamBody
 from proxy.upstream.redirects import RedirectPolicy
 from proxy.upstream.resume import can_resume
+from shardcache._version import __version__
 from shardcache.errors import (
     BadRequest,
     CacheError,
@@ -1192,6 +1193,7 @@ async def _stats(request: web.Request) -> web.Response:
     t = m.totals()
     total = t["hits"] + t["misses"]
     body = {
+        "version": __version__,
         "entries": st["entries"],
         "bytes": st["bytes"],
         "limit": st["limit"],

@@ -14,6 +14,7 @@ Names (all prefixed ``shardcache_``)::
     cache_effective_limit_bytes       the bound in force: the configured one, lowered while
                                       the filesystem holds less (free space above --min-free)
     cache_entries                     complete entries
+    build_info{version}               1, labelled with the version of shardcache
     evictions_total                   entries evicted
     evicted_bytes_total               bytes evicted
     evicted_unread_total              entries evicted before their first re-use
@@ -45,6 +46,8 @@ from __future__ import annotations
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from shardcache._version import __version__
 
 __all__ = ["ProxyMetrics"]
 
@@ -109,6 +112,14 @@ class ProxyMetrics:
             registry=r,
             multiprocess_mode=latest,
         )
+        self.build_info = Gauge(
+            "shardcache_build_info",
+            "Always 1; the label says which version of shardcache answers.",
+            ["version"],
+            registry=r,
+            multiprocess_mode=latest,
+        )
+        self.build_info.labels(version=__version__).set(1)
         self.evictions = Counter("shardcache_evictions_total", "Cache entries evicted.", registry=r)
         self.evicted_bytes = Counter(
             "shardcache_evicted_bytes_total", "Bytes of evicted cache entries.", registry=r

@@ -315,3 +315,21 @@ def test_the_prefetch_route_maps_urls_as_read_plans_do(rig):
     status, text, _ = call(proxy, "POST", "/-/prefetch", {"urls": ["http://elsewhere.example/x"]})
     assert status == 400, text
     assert "under none of this proxy's upstreams" in text and origin.url in text, text
+
+
+# --- the version, where people look -------------------------------------------------------
+
+
+def test_the_version_is_in_stats_metrics_and_the_command_line(rig):
+    import shardcache
+
+    _, proxy = rig({"a.tar": b"a"})
+    assert call(proxy, "GET", "/-/stats")[1]["version"] == shardcache.__version__
+    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    line = f'shardcache_build_info{{version="{shardcache.__version__}"}} 1.0'
+    assert line in text.splitlines(), [ln for ln in text.splitlines() if "build_info" in ln]
+    res = shardcache_cmd([], "--version")
+    assert res.stdout.strip() == f"shardcache {shardcache.__version__}"
+    out = shardcache_cmd([], "stats", "--proxy", proxy.url).stdout
+    assert re.search(rf"version\s+{re.escape(shardcache.__version__)}", out), out
