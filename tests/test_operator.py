@@ -333,3 +333,11 @@ def test_the_version_is_in_stats_metrics_and_the_command_line(rig):
     assert res.stdout.strip() == f"shardcache {shardcache.__version__}"
     out = shardcache_cmd([], "stats", "--proxy", proxy.url).stdout
     assert re.search(rf"version\s+{re.escape(shardcache.__version__)}", out), out
+
+
+def test_make_test_says_why_tests_were_skipped():
+    """``pytest -q`` hides skip reasons; with ``-rs`` the summary lists them (a missing
+    tool or privilege is then seen, not mistaken for a pass)."""
+    makefile = (Path(__file__).resolve().parent.parent / "Makefile").read_text()
+    lines = [ln for ln in makefile.splitlines() if "-m pytest" in ln]
+    assert lines and all(" -rs " in ln for ln in lines), lines
