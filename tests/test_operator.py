@@ -341,3 +341,15 @@ def test_make_test_says_why_tests_were_skipped():
     makefile = (Path(__file__).resolve().parent.parent / "Makefile").read_text()
     lines = [ln for ln in makefile.splitlines() if "-m pytest" in ln]
     assert lines and all(" -rs " in ln for ln in lines), lines
+
+
+def test_stats_against_an_origin_says_it_is_not_a_shardcache_proxy():
+    origin = Origin(files={"a.tar": b"a"}).start()
+    try:
+        res = shardcache_cmd([], "stats", "--proxy", origin.url)
+    finally:
+        origin.stop()
+    assert res.returncode == 1
+    assert "HTTP 404" in res.stderr, res.stderr
+    assert f"the server at {origin.url} answers HTTP but is not a shardcache proxy" in res.stderr
+    assert "--proxy" in res.stderr, res.stderr

@@ -37,16 +37,26 @@ def fetch_stats(proxy: str, timeout: float = 10.0) -> dict[str, Any]:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             body = resp.read()
     except urllib.error.HTTPError as exc:
+        if exc.code in (404, 405, 501):  # a server without the route: not ours
+            raise ToolError(f"{url}: HTTP {exc.code} {exc.reason}: {_not_a_proxy(proxy)}") from exc
         raise ToolError(f"{url}: HTTP {exc.code} {exc.reason}") from exc
     except (urllib.error.URLError, OSError) as exc:
         raise no_proxy_error(proxy, exc) from exc
     try:
         data = json.loads(body)
     except ValueError as exc:
-        raise ToolError(f"{url}: answer is not JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise ToolError(f"{url}: expected a JSON object, got {type(data).__name__}")
+        raise ToolError(f"{url}: answer is not JSON ({exc}): {_not_a_proxy(proxy)}") from exc
+    if not isinstance(data, dict) or "hits" not in data:
+        raise ToolError(f"{url}: not the statistics of a shardcache proxy: {_not_a_proxy(proxy)}")
     return data
+
+
+def _not_a_proxy(proxy: str) -> str:
+    return (
+        f"the server at {proxy} answers HTTP but is not a shardcache proxy (an origin, or "
+        "another service on that port?); give the proxy's address with --proxy or "
+        "SHARDCACHE_PROXY"
+    )
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
