@@ -52,6 +52,7 @@ from shardcache.errors import (
     UpstreamError,
 )
 from shardcache.meta import MAX_STORED_HEADER_BYTES, ObjectMeta
+from shardcache.sizes import format_size
 from shardcache.store import Entry, Partial, Store
 
 __all__ = ["Download", "DownloadFailed", "Inflight", "State"]
@@ -709,6 +710,7 @@ class Inflight:
 
     async def _grow(self, dl: Download, partial: Partial) -> None:
         want = dl.written + GROW_STEP
+        why = ""
         try:
             ok = await asyncio.to_thread(self.store.grow, partial, want)
         except CacheError as exc:
@@ -716,11 +718,21 @@ class Inflight:
             if err is None:
                 raise
             self.health.failed(err)
-            ok = False
+            ok, why = False, f"store error: {exc}"
         if not ok:
             # Too big to keep: drop the reservation and the directory entry; the open
             # descriptors keep the bytes readable for the clients already following.
-            log.info("%s outgrew the cache at %d bytes; finishing uncached", dl.url, dl.written)
+            if not why:
+                try:
+                    why = await asyncio.to_thread(self.store.why_no_room, want)
+                except CacheError as exc:
+                    why = f"store error: {exc}"
+            log.info(
+                "%s outgrew the cache at %s (%s); finishing uncached",
+                dl.url,
+                format_size(dl.written),
+                why,
+            )
             with contextlib.suppress(CacheError):
                 await asyncio.to_thread(self.store.abort, partial)
             dl.cached = False

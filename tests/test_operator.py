@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from shardcache.store import Store
-from tests.proxy_helpers import Origin, ProxyProcess
+from tests.proxy_helpers import Fault, Origin, ProxyProcess
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -101,6 +101,22 @@ def test_a_full_keep_cache_says_why_it_admits_nothing(rig):
     assert "no room for size 600.0 KiB" in line, line
     assert "--eviction keep" in line and "600.0 KiB cached" in line, line
     assert "the cache size, 1.0 MiB" in line, line
+
+
+def test_a_body_of_unknown_length_that_outgrows_the_cache_names_the_bound(tmp_path):
+    origin = Origin(files={"big.tar": b"x" * (3 * MiB)}, faults={"big.tar": Fault(chunked=True)})
+    origin.start()
+    proxy = ProxyProcess(
+        tmp_path / "cache", "--upstream", origin.url, "--cache-size", "1MiB", "--min-free", "0"
+    ).start()
+    try:
+        status, _, body = get(proxy, "/big.tar")
+        assert (status, len(body)) == (200, 3 * MiB)
+        line = wait_log(proxy, r"big\.tar outgrew the cache at .*")
+        assert "the cache size, 1.0 MiB" in line and " MiB (" in line, line
+    finally:
+        proxy.stop()
+        origin.stop()
 
 
 def test_a_bound_lowered_by_min_free_says_so(tmp_path):
