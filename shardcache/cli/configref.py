@@ -123,7 +123,7 @@ def configuration_reference() -> str:
         _md_table(setting_rows()),
         "",
     ]
-    for name in ("prefetch", "plan", "stats", "ls"):
+    for name in ("prefetch", "plan", "stats", "ls", "check"):
         sub = _subparser(parser, name)
         parts += [
             f"## `shardcache {name}`",
