@@ -710,6 +710,8 @@ class Inflight:
 
     async def _grow(self, dl: Download, partial: Partial) -> None:
         want = dl.written + GROW_STEP
+        if dl.written <= self.cache_size:
+            want = min(want, self.cache_size)  # a body of unknown size may fit a small cache
         why = ""
         try:
             ok = await asyncio.to_thread(self.store.grow, partial, want)
@@ -724,7 +726,8 @@ class Inflight:
             # descriptors keep the bytes readable for the clients already following.
             if not why:
                 try:
-                    why = await asyncio.to_thread(self.store.why_no_room, want)
+                    need = dl.written if dl.written > self.cache_size else want
+                    why = await asyncio.to_thread(self.store.why_no_room, need)
                 except CacheError as exc:
                     why = f"store error: {exc}"
             log.info(
