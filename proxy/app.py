@@ -1211,7 +1211,7 @@ async def _stats(request: web.Request) -> web.Response:
         "evicted_before_reuse": t["evicted_unread"],
         "workers": request.app[SETTINGS].workers,
         # what the tools need to map an upstream URL to this proxy's path
-        "upstreams": [str(u) for u in request.app[SETTINGS].upstreams],
+        "upstreams": [_without_userinfo(str(u)) for u in request.app[SETTINGS].upstreams],
         "allow_hosts": list(request.app[SETTINGS].allow_hosts),
         "pid": os.getpid(),
         "store": {
@@ -1225,6 +1225,13 @@ async def _stats(request: web.Request) -> web.Response:
         "ram_tier": {"entries": len(request.app[HITS]), "bytes": request.app[HITS].bytes},
     }
     return web.json_response(body)
+
+
+def _without_userinfo(upstream: str) -> str:
+    """``NAME=URL`` as /-/stats may show it to anyone: no ``user:password@``."""
+    head, sep, rest = upstream.partition("://")
+    netloc, slash, path = rest.partition("/")
+    return f"{head}{sep}{netloc.rpartition('@')[2]}{slash}{path}"
 
 
 def loopback_only(host: str) -> bool:

@@ -390,3 +390,13 @@ def test_stats_against_an_origin_says_it_is_not_a_shardcache_proxy():
     assert "HTTP 404" in res.stderr, res.stderr
     assert f"the server at {origin.url} answers HTTP but is not a shardcache proxy" in res.stderr
     assert "--proxy" in res.stderr, res.stderr
+
+
+def test_stats_lists_the_upstreams_without_credentials():
+    from proxy.app import _without_userinfo
+
+    assert _without_userinfo("data=https://user:secret@h.example:8443/x") == (
+        "data=https://h.example:8443/x"
+    )
+    assert _without_userinfo("s3://bucket/prefix") == "s3://bucket/prefix"
+    assert _without_userinfo("file:///srv/shards") == "file:///srv/shards"
