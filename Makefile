@@ -33,11 +33,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test $(if $(TORCH),$(VENV)/.installed-torch)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -p no:cacheprovider -m "not clients"
+	$(PY) -m pytest -q -rs -p no:cacheprovider -m "not clients"
 
 # The torch DataLoader tests, with torch installed into $(VENV) from PyPI.
 test-torch: $(VENV)/.installed-torch
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_dataloader.py tests/test_dataset.py
+	$(PY) -m pytest -q -rs -p no:cacheprovider tests/test_dataloader.py tests/test_dataset.py
 
 $(CLIENTS_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(CLIENTS_VENV)
@@ -48,7 +48,7 @@ $(CLIENTS_VENV)/.installed: pyproject.toml
 # Real third-party S3 clients through the S3 front, the heavy ones (tests marked `clients`),
 # and the torch DataLoader tests (marked `torch`), since this venv has torch.
 test-clients: $(CLIENTS_VENV)/.installed
-	$(CLIENTS_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "clients or torch" \
+	$(CLIENTS_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider -m "clients or torch" \
 	  tests/s3 tests/test_dataloader.py tests/test_dataset.py tests/test_plans_client.py
 
 # The public HTTP cache test suite (the one behind cache-tests.fyi) against the proxy, in

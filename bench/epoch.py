@@ -681,7 +681,7 @@ class Bench:
     def proxy(self, half: bool) -> ShardcacheServer:
         self.n += 1
         size = self.dataset_bytes // 2 if half else 4 * self.dataset_bytes
-        extra = ["--cache-size", str(size)]
+        extra = ["--cache-size", f"{size}B"]
         extra += self.args.proxy_arg
         return ShardcacheServer(
             self.procs,

@@ -78,6 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="safe",
         help="the file's codec (pickle runs code from the file: trusted files only)",
     )
+    export.add_argument("--force", action="store_true", help="replace OUT.tar when it exists")
     export.set_defaults(func=cmd_export)
 
 
@@ -432,13 +433,20 @@ def field_bytes(key: str, name: str, value: Any) -> bytes:
         ) from None
 
 
-def export(db: str, out: str, codec: str = "safe") -> int:
+def export(db: str, out: str, codec: str = "safe", *, force: bool = False) -> int:
     """Write the samples of ``db`` to the tar file ``out``; return the number written.
 
-    The tar is written to ``out + ".part"`` and renamed into place when complete.
+    The tar is written to ``out + ".part"`` and renamed into place when complete. An
+    existing ``out`` is replaced only with ``force`` (a mistyped name could otherwise
+    silently take the place of a shard or of the file itself); never ``db`` itself.
     """
     if not os.path.exists(db):
         raise DBCacheError(f"{db}: no such file")
+    if os.path.exists(out):
+        if os.path.samefile(db, out):
+            raise DBCacheError(f"{out} is the DBCache file itself; name another tar file")
+        if not force:
+            raise DBCacheError(f"{out} exists; pass --force to replace it")
     cache = DBCache(db, None, verbose=False, codec=codec)
     part = out + ".part"
     count = 0
@@ -473,6 +481,6 @@ def export(db: str, out: str, codec: str = "safe") -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     _setup_logging(False)
-    count = export(args.db, args.out, args.codec)
+    count = export(args.db, args.out, args.codec, force=args.force)
     log.info("%s: %d samples written to %s", args.db, count, args.out)
     return 0

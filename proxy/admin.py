@@ -27,6 +27,7 @@ from proxy.context import (
 from proxy.policy import (
     map_url,
 )
+from shardcache._version import __version__
 from shardcache.errors import (
     BadRequest,
     Forbidden,
@@ -70,6 +71,7 @@ async def _stats(request: web.Request) -> web.Response:
     t = m.totals()
     total = t["hits"] + t["misses"]
     body = {
+        "version": __version__,
         "entries": st["entries"],
         "bytes": st["bytes"],
         "limit": st["limit"],
@@ -82,7 +84,13 @@ async def _stats(request: web.Request) -> web.Response:
         "hit_ratio": (t["hits"] / total) if total else 0.0,
         "upstream_bytes": t["upstream_bytes"],
         "served_bytes": t["served_bytes"],
+        "evictions": t["evictions"],
+        "evicted_bytes": t["evicted_bytes"],
+        "evicted_before_reuse": t["evicted_unread"],
         "workers": request.app[SETTINGS].workers,
+        # what the tools need to map an upstream URL to this proxy's path
+        "upstreams": [_without_userinfo(str(u)) for u in request.app[SETTINGS].upstreams],
+        "allow_hosts": list(request.app[SETTINGS].allow_hosts),
         "pid": os.getpid(),
         "store": {
             **request.app[HEALTH].snapshot(),
@@ -95,6 +103,13 @@ async def _stats(request: web.Request) -> web.Response:
         "ram_tier": {"entries": len(request.app[HITS]), "bytes": request.app[HITS].bytes},
     }
     return web.json_response(body)
+
+
+def _without_userinfo(upstream: str) -> str:
+    """``NAME=URL`` as /-/stats may show it to anyone: no ``user:password@``."""
+    head, sep, rest = upstream.partition("://")
+    netloc, slash, path = rest.partition("/")
+    return f"{head}{sep}{netloc.rpartition('@')[2]}{slash}{path}"
 
 
 def loopback_only(host: str) -> bool:
@@ -137,6 +152,13 @@ def _canonical(request: web.Request, url: str) -> str:
         raise BadRequest("each URL must be a non-empty string")
     try:
         return map_url(url, s.upstreams, s.allow_hosts, s.max_path_length)
+    except Forbidden:
+        # a typo in the URL or the upstream is far likelier than a wish for an open proxy
+        names = ", ".join(str(u) for u in s.upstreams) or "none"
+        raise Forbidden(
+            f"{url}: under none of this proxy's upstreams ({names}); check both for a typo "
+            "(a URL of another host is fetched only when --allow-host names the host)"
+        ) from None
     except ProxyError as exc:
         raise type(exc)(f"{url}: {exc}") from None
 
@@ -168,7 +190,7 @@ async def _prefetch(request: web.Request) -> web.Response:
     for u in _expand(body):
         if len(urls) >= MAX_PREFETCH:
             raise BadRequest(f"more than {MAX_PREFETCH} URLs in one prefetch")
-        urls.append(_canonical(request, u))
+        urls.append(_plan_url(request, u))  # the URL forms a read plan takes
     app = request.app
     store = app[STORE]
     # What is cached when the request is answered is not fetched again, even if it is
@@ -189,3 +211,50 @@ async def _purge(request: web.Request) -> web.Response:
     else:
         removed = await asyncio.to_thread(store.clear)
     return web.json_response({"removed": removed})
+
+
+def _plan_url(request: web.Request, url: Any) -> str:
+    """The canonical upstream URL of a plan entry: a proxy path, a URL of this proxy, an
+    upstream URL, or ``s3://BUCKET/KEY`` of a bucket of the S3 front."""
+    if isinstance(url, str) and not url.startswith("/"):
+        s = request.app[SETTINGS]
+        under = any(url.startswith(u.base + "/") for u in s.upstreams)
+        if not under:
+            scheme, sep, rest = url.partition("://")
+            host, slash, path = rest.partition("/")
+            if sep and scheme.lower() in ("http", "https") and _is_me(request, scheme, host):
+                url = slash + path  # a URL of this proxy
+            elif sep and scheme.lower() == "s3" and any(u.name == host for u in s.upstreams):
+                url = f"/{host}/{path}"  # a bucket of the S3 front
+    try:
+        return _canonical(request, url)
+    except Forbidden as exc:
+        raise BadRequest(str(exc)) from None
+
+
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "ip6-localhost"})
+
+
+def _is_me(request: web.Request, scheme: str, netloc: str) -> bool:
+    """Whether ``scheme://netloc`` names this proxy: the Host the request came to, or a
+    loopback name or this proxy's address on the port it listens on (default ports
+    written or not)."""
+    from urllib.parse import urlsplit
+
+    default = 443 if scheme.lower() == "https" else 80
+    try:
+        there = urlsplit(f"{scheme}://{netloc}")
+        port = there.port or default
+        here = urlsplit(f"{request.scheme}://{request.host}")
+        here_port = here.port or (443 if request.scheme == "https" else 80)
+    except ValueError:
+        return False
+    name = (there.hostname or "").lower()
+    if name == (here.hostname or "").lower() and port == here_port:
+        return True
+    sock = request.transport.get_extra_info("sockname") if request.transport else None
+    listen_port = sock[1] if sock else here_port
+    mine = _LOOPBACK_NAMES | {request.app[SETTINGS].host.lower()}
+    if sock:
+        mine |= {str(sock[0]).lower()}
+    return port == listen_port and name in mine

@@ -66,12 +66,14 @@ from proxy.shard import (
     _shard,
 )
 from proxy.storehealth import StoreHealth
+from proxy.thrash import ThrashWatch
 from proxy.upstream import Fetcher, S3Upstream
 from proxy.upstream.redirects import RedirectPolicy
 from shardcache.errors import (
     StoreUnusable,
     StoreWriteError,
 )
+from shardcache.sizes import format_size
 from shardcache.store import Entry, Store, disk_full
 
 log = logging.getLogger(__name__)
@@ -153,9 +155,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     s = app[SETTINGS]
     m = app[METRICS]
 
+    thrash = ThrashWatch()
+
     def on_evict(entry: Entry) -> None:
         m.evictions.inc()
         m.evicted_bytes.inc(entry.size)
+        if entry.hits == 0:
+            m.evicted_unread.inc()
+        thrash.evicted(entry.size, entry.hits)
 
     def open_store() -> tuple[Store, StoreWriteError | None]:
         st = Store(
@@ -178,6 +185,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         return st, None
 
     store, full = await asyncio.to_thread(open_store)
+    thrash.bound = store.describe_bound
     if store.size_warning:
         log.warning("%s", store.size_warning)
     m.cache_limit.set(store.cache_size)
@@ -235,10 +243,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     app[RUNTIME].scheduling = scheduling
     app[RUNTIME].ready = True
     log.info(
-        "cache %s: limit %d bytes, %d kept free, policy %s, revalidate %s; upstreams: %s",
+        "cache %s: limit %s, %s kept free, policy %s, revalidate %s; upstreams: %s",
         s.cache_dir,
-        store.cache_size,
-        store.min_free,
+        format_size(store.cache_size),
+        format_size(store.min_free),
         s.eviction,
         "never"
         if s.revalidate is None

@@ -31,6 +31,7 @@ from proxy.credentials import Credential, parse_credential
 from proxy.policy import (
     DEFAULT_REDIRECT_HOSTS,
     Upstream,
+    parse_bound,
     parse_min_free,
     parse_revalidate,
     parse_size,
@@ -65,7 +66,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SIZE_UNITS = (
     "Sizes are bytes, or a number with a unit: K, M, G, T, P are powers of 1000 "
     "(G = 10^9 bytes), KiB, MiB, GiB, TiB, PiB powers of 1024 (GiB = 2^30 bytes); "
-    "the B and the case are optional, so 500G, 1.5T and 10MiB all work."
+    "the B and the case are optional, so 500G, 1.5T and 10MiB all work. A bound without "
+    "a unit below 1 MiB (--cache-size 10) is refused as a forgotten unit; write 10B for bytes."
 )
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _DOMAIN_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$")
@@ -218,7 +220,15 @@ def _cache_dir(text: str) -> Path:
     if not text.strip():
         raise ValueError("must not be empty")
     path = Path(text).expanduser()
-    if path.exists() and not path.is_dir():
+    try:
+        is_file = path.exists() and not path.is_dir()
+    except OSError as exc:  # a parent this uid may not search (e.g. /root/cache)
+        uid = os.getuid() if hasattr(os, "getuid") else "?"
+        raise ValueError(
+            f"{text}: cannot look it up ({exc.strerror or exc}); running as uid {uid}: make "
+            "its parent directories searchable by this uid, or choose another --cache-dir"
+        ) from None
+    if is_file:
         raise ValueError(f"{text} exists and is not a directory")
     return path
 
@@ -414,8 +424,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "cache_size",
         100 * 1000**3,
-        "bound on cached bytes, e.g. 500G (G = 10^9 bytes), 1.5T, 10GiB (GiB = 2^30 bytes)",
-        parse_size,
+        "bound on cached bytes, e.g. 500G (G = 10^9 bytes), 1.5T, 10GiB (GiB = 2^30 bytes); "
+        "a number without a unit below 1MiB is refused as a forgotten unit",
+        parse_bound,
         minimum=1,
         show=_show_size,
     ),

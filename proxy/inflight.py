@@ -55,6 +55,7 @@ from shardcache.errors import (
     UpstreamError,
 )
 from shardcache.meta import MAX_STORED_HEADER_BYTES, ObjectMeta
+from shardcache.sizes import format_size
 from shardcache.store import Entry, Partial, Store
 
 __all__ = ["Download", "DownloadFailed", "Inflight", "State"]
@@ -711,8 +712,12 @@ class Inflight:
         health = self.health
         if cache_control_forbids(meta.cache_control):
             return None, f"upstream Cache-Control: {meta.cache_control}"
-        if vary_forbids(meta.field("Vary"), meta.content_encoding):
-            return None, f"upstream Vary: {meta.field('Vary')} (entries are keyed by URL)"
+        cdn = meta.field("CDN-Cache-Control")  # RFC 9213: for caches such as this one
+        if cache_control_forbids(cdn):
+            return None, f"upstream CDN-Cache-Control: {cdn}"
+        vary = ", ".join(v for k, v in meta.fields if k.lower() == "vary")  # every line
+        if vary_forbids(vary, meta.content_encoding):
+            return None, f"upstream Vary: {vary} (entries are keyed by URL)"
         size = sum(len(k) + len(v) + 4 for k, v in meta.fields)
         if size > MAX_STORED_HEADER_BYTES:
             return None, (
@@ -722,7 +727,7 @@ class Inflight:
         if not health.writable:
             return None, "the store is not writable"
         if not should_admit(meta.size, self.cache_size):
-            return None, f"size {meta.size} not admitted"
+            return None, await asyncio.to_thread(self.store.why_no_room, meta.size)
         try:
             partial = await asyncio.to_thread(
                 # a download started ahead of its reader must be kept for it
@@ -731,11 +736,7 @@ class Inflight:
                 )
             )
             if partial is None:
-                return None, (
-                    "no room: caching it would evict entries read sooner (read plans)"
-                    if self.store.planner is not None
-                    else "no room in the cache"
-                )
+                return None, await asyncio.to_thread(self.store.why_no_room, meta.size)
             return partial, ""
         except CacheError as exc:
             err = health.classify("create", exc)
@@ -806,6 +807,9 @@ class Inflight:
 
     async def _grow(self, dl: Download, partial: Partial) -> None:
         want = dl.written + GROW_STEP
+        if dl.written <= self.cache_size:
+            want = min(want, self.cache_size)  # a body of unknown size may fit a small cache
+        why = ""
         try:
             ok = await asyncio.to_thread(self.store.grow, partial, want)
         except CacheError as exc:
@@ -813,11 +817,22 @@ class Inflight:
             if err is None:
                 raise
             self.health.failed(err)
-            ok = False
+            ok, why = False, f"store error: {exc}"
         if not ok:
             # Too big to keep: drop the reservation and the directory entry; the open
             # descriptors keep the bytes readable for the clients already following.
-            log.info("%s outgrew the cache at %d bytes; finishing uncached", dl.url, dl.written)
+            if not why:
+                try:
+                    need = dl.written if dl.written > self.cache_size else want
+                    why = await asyncio.to_thread(self.store.why_no_room, need)
+                except CacheError as exc:
+                    why = f"store error: {exc}"
+            log.info(
+                "%s outgrew the cache at %s (%s); finishing uncached",
+                dl.url,
+                format_size(dl.written),
+                why,
+            )
             with contextlib.suppress(CacheError):
                 await asyncio.to_thread(self.store.abort, partial)
             dl.cached = False

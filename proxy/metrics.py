@@ -16,8 +16,10 @@ Names (all prefixed ``shardcache_``)::
     cache_effective_limit_bytes       the bound in force: the configured one, lowered while
                                       the filesystem holds less (free space above --min-free)
     cache_entries                     complete entries
+    build_info{version}               1, labelled with the version of shardcache
     evictions_total                   entries evicted
     evicted_bytes_total               bytes evicted
+    evicted_unread_total              entries evicted before their first re-use
     downloads_in_progress             downloads of this proxy running now
     time_to_first_byte_seconds        from request to the first body byte sent (histogram)
     failed_downloads_total            downloads abandoned mid-body (their clients aborted)
@@ -46,6 +48,8 @@ from __future__ import annotations
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from shardcache._version import __version__
 
 __all__ = ["ProxyMetrics"]
 
@@ -118,9 +122,22 @@ class ProxyMetrics:
             registry=r,
             multiprocess_mode=latest,
         )
+        self.build_info = Gauge(
+            "shardcache_build_info",
+            "Always 1; the label says which version of shardcache answers.",
+            ["version"],
+            registry=r,
+            multiprocess_mode=latest,
+        )
+        self.build_info.labels(version=__version__).set(1)
         self.evictions = Counter("shardcache_evictions_total", "Cache entries evicted.", registry=r)
         self.evicted_bytes = Counter(
             "shardcache_evicted_bytes_total", "Bytes of evicted cache entries.", registry=r
+        )
+        self.evicted_unread = Counter(
+            "shardcache_evicted_unread_total",
+            "Cache entries evicted before their first re-use (a cache that thrashes).",
+            registry=r,
         )
         self.downloads_in_progress = Gauge(
             "shardcache_downloads_in_progress",
@@ -223,9 +240,17 @@ class ProxyMetrics:
             self.response_bytes.labels(cache=cache).inc(nbytes)
 
     def totals(self) -> dict[str, int]:
-        """Hits, misses (MISS, COALESCED, BYPASS), upstream and served bytes, across all
-        workers."""
-        out = {"hits": 0, "misses": 0, "upstream_bytes": 0, "served_bytes": 0}
+        """Hits, misses (MISS, COALESCED, BYPASS), upstream and served bytes, evictions,
+        across all workers."""
+        out = {
+            "hits": 0,
+            "misses": 0,
+            "upstream_bytes": 0,
+            "served_bytes": 0,
+            "evictions": 0,
+            "evicted_bytes": 0,
+            "evicted_unread": 0,
+        }
         for metric in self.exposed.collect():
             for s in metric.samples:
                 if s.name == "shardcache_requests_total":
@@ -238,6 +263,12 @@ class ProxyMetrics:
                     out["upstream_bytes"] += int(s.value)
                 elif s.name == "shardcache_response_bytes_total":
                     out["served_bytes"] += int(s.value)
+                elif s.name == "shardcache_evictions_total":
+                    out["evictions"] += int(s.value)
+                elif s.name == "shardcache_evicted_bytes_total":
+                    out["evicted_bytes"] += int(s.value)
+                elif s.name == "shardcache_evicted_unread_total":
+                    out["evicted_unread"] += int(s.value)
         return out
 
 

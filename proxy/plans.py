@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.metrics import ProxyMetrics, multiprocess
-from proxy.policy import parse_size
+from proxy.policy import parse_bound
 from proxy.upstream.resume import backoff_delay
 from shardcache.errors import BadRequest, NotFound
 from shardcache.eviction import next_uses
@@ -78,7 +78,7 @@ def parse_lookahead(value: Any) -> tuple[int | None, int | None]:
         return value, None
     if isinstance(value, str):
         try:
-            n = parse_size(value)
+            n = parse_bound(value)
         except ValueError as exc:
             raise BadRequest(f'"lookahead": {exc}') from None
         if n < 1:

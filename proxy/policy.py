@@ -29,6 +29,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 from shardcache.errors import BadRequest, Forbidden, NotFound, RangeNotSatisfiable
 from shardcache.meta import is_strong_etag, parse_decimal
+from shardcache.sizes import format_size
 
 __all__ = [
     "parse_min_free",
@@ -38,6 +39,7 @@ __all__ = [
     "ByteRange",
     "Upstream",
     "parse_size",
+    "parse_bound",
     "format_size",
     "parse_range",
     "range_start",
@@ -61,13 +63,18 @@ for _i, _p in enumerate("kmgtpe", start=1):
     _UNITS[_p + "ib"] = 1024**_i
 
 
-def parse_size(text: str | int) -> int:
+def parse_size(text: str | int, *, unit_below: int = 0) -> int:
     """Parse a byte count: ``"500G"``, ``"1.5T"``, ``"10MiB"``, ``"4096"``.
 
     Suffixes K, M, G, T, P, E (optionally followed by ``B``) are powers of 1000 (``1G`` is
     10^9 bytes); ``Ki``, ``Mi``, ``Gi``… (optionally ``KiB``…) are powers of 1024 (``1GiB``
     is 2^30 bytes). Case is ignored. The result is rounded down to whole bytes. Raises
     ValueError naming the bad text, also for a negative size.
+
+    ``unit_below``: a text without a unit that means fewer bytes than this (but not 0) is
+    refused with a hint. ``--cache-size 10`` is a unit forgotten far more often than a
+    wish for 10 bytes, and such a bound silently turns every shard away; ``10B`` says
+    bytes on purpose.
     """
     if isinstance(text, bool):
         raise ValueError(f"not a size: {text!r}")
@@ -87,7 +94,21 @@ def parse_size(text: str | int) -> int:
     value = float(number) * factor
     if not math.isfinite(value):
         raise ValueError(f"size too large: {text!r}")
+    if not unit and 0 < value < unit_below:
+        raise ValueError(
+            f"{number} = {int(value)} bytes; did you mean {number}G? (a size without a unit "
+            f"is bytes: write {number}B if bytes are meant)"
+        )
     return int(value)
+
+
+BARE_SIZE_MIN = 1 << 20  # a setting's size without a unit below this is refused
+
+
+def parse_bound(text: str | int) -> int:
+    """A size that bounds the cache (``--cache-size``, ``--min-free``, a plan's lookahead):
+    :func:`parse_size`, refusing a number without a unit below 1 MiB as a forgotten unit."""
+    return parse_size(text, unit_below=BARE_SIZE_MIN)
 
 
 def parse_min_free(text: str) -> int | float:
@@ -102,7 +123,7 @@ def parse_min_free(text: str) -> int | float:
         if not 0 <= pct < 100:
             raise ValueError(f"percentage must be in [0, 100): {text!r}")
         return pct / 100.0
-    return parse_size(t)
+    return parse_bound(t)
 
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$", re.IGNORECASE)
@@ -312,6 +333,8 @@ def vary_forbids(vary: str | None, content_encoding: str | None) -> bool:
     if not vary:
         return False
     fields = {f.strip().lower() for f in vary.split(",") if f.strip()}
+    if not fields:
+        return False
     if "*" in fields:
         return True
     encoded = (content_encoding or "identity").strip().lower() != "identity"
@@ -335,16 +358,6 @@ def cache_control_forbids(value: str | None) -> bool:
         if name in ("no-store", "private"):
             return True
     return False
-
-
-def format_size(n: int) -> str:
-    """Format a byte count for humans (``1.5 GiB``)."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(value) < 1024 or unit == "PiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 # ---------------------------------------------------------------------------------------

@@ -118,6 +118,7 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                 due = entry is not None and (
                     needs_revalidation(s.revalidate, entry.validated, time.time())
                     or must_revalidate_each_use(entry.meta.cache_control)
+                    or must_revalidate_each_use(entry.meta.field("CDN-Cache-Control"))
                 )
                 facts = facts.learn(
                     looked_up=True,

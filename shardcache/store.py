@@ -68,6 +68,7 @@ from shardcache.errors import (
 )
 from shardcache.eviction import POLICIES, choose_victims, choose_victims_planned, eviction_order
 from shardcache.meta import ObjectMeta
+from shardcache.sizes import format_size
 from shardcache.urls import shard_uuid
 
 __all__ = [
@@ -615,9 +616,11 @@ class Store:
         if self.requested_size > room:
             self.cache_size = room
             self.size_warning = (
-                f"cache size {self.requested_size} bytes exceeds what the filesystem of "
-                f"{self.cache_dir} can hold ({room} bytes: {entries_bytes} cached + {free} "
-                f"free - {self.min_free} kept free); using {room}"
+                f"cache size {format_size(self.requested_size)} exceeds what the filesystem "
+                f"of {self.cache_dir} can hold ({format_size(room)}: "
+                f"{format_size(entries_bytes)} cached + {format_size(free)} free - "
+                f"{format_size(self.min_free)} kept free by --min-free); using "
+                f"{format_size(room)}"
             )
             log.debug("%s", self.size_warning)
 
@@ -625,6 +628,45 @@ class Store:
         """The bound in force now: ``cache_size``, lowered to keep ``min_free`` free."""
         _, free = self._disk()
         return max(0, min(self.cache_size, entries_bytes + free - self.min_free))
+
+    def describe_bound(self, entries_bytes: int | None = None) -> str:
+        """The bound in force now and why, for messages: ``"the cache size, 40.0 MiB"``,
+        or the cache size lowered to keep ``min_free`` free (at startup or now)."""
+        if entries_bytes is None:
+            entries_bytes = self.used()[0]
+        limit = self.disk_limit(entries_bytes)
+        if limit >= self.requested_size:
+            return f"the cache size, {format_size(self.requested_size)}"
+        return (
+            f"{format_size(limit)}: the cache size {format_size(self.requested_size)} lowered "
+            f"to keep {format_size(self.min_free)} free on the filesystem (--min-free)"
+        )
+
+    def used(self) -> tuple[int, int]:
+        """(bytes of the entries, bytes reserved by downloads in progress), from the index."""
+        with self._lock:
+            return self._used(self._connect())
+
+    def why_no_room(self, need: int | None) -> str:
+        """Why a download of ``need`` bytes (None: unknown) is not admitted: too large for
+        the bound in force, or the bound is full of entries and reservations that the
+        policy will not evict. Names the bound, why it is what it is, and what fills it."""
+        entries_bytes, reserved = self.used()
+        bound = self.describe_bound(entries_bytes)
+        size = "" if need is None else f"size {format_size(need)}"
+        if need is not None and need > self.disk_limit(entries_bytes):
+            return f"{size} exceeds the bound in force, {bound}"
+        full = (
+            f"{format_size(entries_bytes)} cached + {format_size(reserved)} reserved by "
+            f"downloads in progress, bound {bound}"
+        )
+        if self.policy == "keep":
+            why = "the cache is full and --eviction keep evicts nothing"
+        elif self.planner is not None:
+            why = "caching it would evict entries read sooner (read plans)"
+        else:
+            why = "downloads in progress hold the rest of the bound"
+        return f"no room{' for ' + size if size else ''}: {why} ({full})"
 
     # -- connection ------------------------------------------------------------------
 

@@ -217,3 +217,25 @@ def test_interim_answers_are_skipped(origin, tmp_path, transport):
         assert fetch(p.port, "/i.tar", method="HEAD").status == 200
     finally:
         p.stop(timeout=10)
+
+
+@pytest.mark.parametrize(
+    "value, stored", [("no-store", False), ("private", False), ("max-age=60", True)]
+)
+def test_cdn_cache_control_is_honoured(origin, proxy, value, stored):
+    """RFC 9213: CDN-Cache-Control speaks to caches like this one; its no-store and
+    private keep an answer out of the cache as Cache-Control's do."""
+    data = os.urandom(16 * KiB)
+    origin.add(
+        "/cdn.tar",
+        versions=[
+            Version(data, etag='"c"', last_modified=LM, headers={"CDN-Cache-Control": value})
+        ],
+    )
+    seen = []
+    for _ in range(2):
+        r = fetch(proxy.port, "/cdn.tar")
+        assert r.status == 200 and r.body == data
+        seen.append(r.headers.get("x-cache"))
+        settle(proxy)
+    assert seen == (["MISS", "HIT"] if stored else ["BYPASS", "BYPASS"]), seen

@@ -106,7 +106,7 @@ def test_check_reports_stray_files_and_leaves_them(tmp_path):
     res = run_cli("check", "--cache-dir", str(cache))
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.splitlines()
-    assert lines[0] == f"cache {cache}: 1 entries, 3 bytes"
+    assert lines[0] == f"cache directory {cache}: 1 entries, 3 bytes"
     strays = [line for line in lines if line.startswith("stray: ")]
     assert strays == [
         "stray: backup (a directory): not a cache file; left alone, outside --cache-size",

@@ -68,6 +68,8 @@ def test_check_mode_fails_on_a_stale_file(tmp_path, monkeypatch):
     stale = tmp_path / "configuration.md"
     stale.write_text(DOC.read_text().replace("SHARDCACHE_CACHE_SIZE", "SHARDCACHE_SIZE"))
     monkeypatch.setattr(gen_configuration, "TARGET", stale)
+    monkeypatch.setattr(gen_configuration, "EXAMPLE", tmp_path / "shardcache.toml")
+    (tmp_path / "shardcache.toml").write_text(gen_configuration.example_config())
     assert gen_configuration.main(["--check"]) == 1
     assert gen_configuration.main([]) == 0
     assert gen_configuration.main(["--check"]) == 0
@@ -93,3 +95,51 @@ def test_tool_options_are_documented_from_their_declaration_not_their_help_text(
     p.add_argument("--old", default=None, help="something (default: 3)")
     with pytest.raises(ToolError, match="--old"):
         option_rows(p)
+
+
+EXAMPLE = DOC.parent / "shardcache.toml"
+
+
+def test_the_example_config_is_in_sync_with_the_table():
+    from shardcache.cli.configref import example_config
+
+    assert EXAMPLE.read_text() == example_config(), (
+        "docs/shardcache.toml is out of date: run python docs/gen_configuration.py"
+    )
+
+
+def test_the_example_config_names_every_setting_and_reads_back_as_the_defaults(tmp_path):
+    """Every setting is in the file, commented out; uncommented, each line gives the
+    setting's default (cache_dir, which has none, an example path)."""
+    import re
+
+    from proxy.config import Settings, parse_settings
+
+    text = EXAMPLE.read_text()
+    keys = re.findall(r"^# ([a-z0-9_]+) = ", text, re.MULTILINE)
+    assert keys == [s.name for s in SETTINGS if s.flag is not None]
+    assert not [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    for s in SETTINGS:
+        if s.flag is not None:
+            assert f"# {s.flag}, env {s.env}" in text, s.name
+    live = tmp_path / "shardcache.toml"
+    live.write_text(re.sub(r"^# ([a-z0-9_]+ = )", r"\1", text, flags=re.MULTILINE))
+    got = parse_settings(["--config", str(live), "--upstream", "http://origin.example"], {})
+    want = Settings(cache_dir=Path("/var/cache/shardcache"), upstreams=got.upstreams)
+    assert got == want
+
+
+def test_check_mode_fails_on_a_stale_example(tmp_path, monkeypatch):
+    sys.path.insert(0, str(DOC.parent))
+    try:
+        import gen_configuration
+    finally:
+        sys.path.remove(str(DOC.parent))
+    stale = tmp_path / "shardcache.toml"
+    stale.write_text(EXAMPLE.read_text().replace("# cache_size", "# cache_sise"))
+    monkeypatch.setattr(gen_configuration, "TARGET", tmp_path / "configuration.md")
+    monkeypatch.setattr(gen_configuration, "EXAMPLE", stale)
+    (tmp_path / "configuration.md").write_text(DOC.read_text())
+    assert gen_configuration.main(["--check"]) == 1
+    assert gen_configuration.main([]) == 0
+    assert gen_configuration.main(["--check"]) == 0

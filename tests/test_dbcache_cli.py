@@ -196,6 +196,22 @@ def test_export_refuses_keys_a_tar_cannot_hold(tmp_path):
     assert not (tmp_path / "o.tar").exists() and not (tmp_path / "o.tar.part").exists()
 
 
+def test_export_does_not_replace_a_file_without_force(tmp_path):
+    db = str(tmp_path / "v.db")
+    list(DBCache(db, 1, [{"__key__": "k", "__url__": "", "x": b"1"}]))
+    out = tmp_path / "o.tar"
+    out.write_bytes(b"someone's shard")
+    res = run("export", db, str(out))
+    assert res.returncode == 1 and f"{out} exists; pass --force to replace it" in res.stderr
+    assert out.read_bytes() == b"someone's shard"
+    res = run("export", db, db, "--force")
+    assert res.returncode == 1 and "the DBCache file itself" in res.stderr
+    assert DBCache(db, None).key_exists("k")
+    res = run("export", db, str(out), "--force")
+    assert res.returncode == 0, res.stderr
+    assert out.read_bytes() != b"someone's shard"
+
+
 def test_build_reports_the_shards_it_read(tmp_path, serve, shards):
     root, _ = shards
     base, paths = serve(root)

@@ -118,6 +118,17 @@ def test_api_register_list_get_delete(rig) -> None:
     assert _call(proxy, "DELETE", f"/-/plans/{pid}")[0] == 404
 
 
+def test_a_lookahead_size_without_a_unit_is_refused() -> None:
+    """``"lookahead": "10"`` is a forgotten unit (or a count sent as text), not 10 bytes."""
+    from proxy.plans import parse_lookahead
+    from shardcache.errors import BadRequest
+
+    with pytest.raises(BadRequest, match="10 = 10 bytes; did you mean 10G"):
+        parse_lookahead("10")
+    assert parse_lookahead("10MiB") == (None, 10 << 20)
+    assert parse_lookahead(10) == (10, None)
+
+
 def test_api_rejects_bad_plans(rig) -> None:
     _, proxy = rig(_files(2), "--max-plans", "1", "--max-plan-shards", "3")
     status, text, _ = _call(proxy, "POST", "/-/plans", b"{nope")
@@ -205,7 +216,7 @@ def test_lookahead_downloads_the_next_shards_before_the_reader_asks(rig) -> None
 def test_eviction_keeps_the_shard_a_plan_reads_next(rig) -> None:
     files = _files(4)
     # room for three shards: LRU would evict s00 (the oldest) to admit s03
-    origin, proxy = rig(files, "--cache-size", str(3 * SHARD), "--min-free", "0")
+    origin, proxy = rig(files, "--cache-size", f"{3 * SHARD}B", "--min-free", "0")
     for i in range(3):
         assert _get(proxy, f"s{i:02d}.tar")[0] == 200
     status, body, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s03.tar", "/s00.tar"]})
@@ -221,7 +232,7 @@ def test_eviction_keeps_the_shard_a_plan_reads_next(rig) -> None:
 
 def test_a_shard_needed_later_than_the_cache_holds_is_streamed_uncached(rig) -> None:
     files = _files(3)
-    origin, proxy = rig(files, "--cache-size", str(2 * SHARD), "--min-free", "0")
+    origin, proxy = rig(files, "--cache-size", f"{2 * SHARD}B", "--min-free", "0")
     assert _get(proxy, "s00.tar")[0] == 200
     assert _get(proxy, "s01.tar")[0] == 200
     # s02 is read now and never again; s00 and s01 are read right after it
@@ -240,7 +251,7 @@ def test_a_shard_needed_later_than_the_cache_holds_is_streamed_uncached(rig) -> 
 def test_cyclic_epochs_over_twice_the_cache_keep_part_of_it_with_plans(rig) -> None:
     n = 12
     files = _files(n)
-    origin, proxy = rig(files, "--cache-size", str(n // 2 * SHARD), "--min-free", "0")
+    origin, proxy = rig(files, "--cache-size", f"{n // 2 * SHARD}B", "--min-free", "0")
     order = [f"/s{i:02d}.tar" for i in range(n)]
     fetched = []
     for _epoch in range(3):

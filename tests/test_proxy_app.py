@@ -419,7 +419,8 @@ async def test_admin_token_stats_metrics_prefetch_purge(proxy, origin):
     async with c.post(
         "/-/prefetch", json={"urls": ["https://evil.example.com/x.tar"]}, headers=auth
     ) as r:
-        assert r.status == 403
+        # a URL under no upstream is a bad request (as for /-/plans) that names them
+        assert r.status == 400 and "under none of this proxy's upstreams" in await r.text()
     async with c.post("/-/prefetch", data=b"{not json", headers=auth) as r:
         assert r.status == 400
     async with c.post("/-/prefetch", json=body, headers=auth) as r:

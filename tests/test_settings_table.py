@@ -222,6 +222,49 @@ def test_parse_size_rejects_negatives_and_reads_both_unit_families():
     assert parse_size("1G") == 10**9 and parse_size("1GiB") == 2**30
 
 
+@pytest.mark.parametrize(
+    "argv, env, toml, flag",
+    [
+        (["--cache-size", "10"], {}, "", "--cache-size"),
+        ([], {"SHARDCACHE_CACHE_SIZE": "500"}, "", "--cache-size"),
+        ([], {}, "cache_size = 10\n", "--cache-size"),
+        ([], {}, 'cache_size = "1048575"\n', "--cache-size"),
+        (["--min-free", "2"], {}, "", "--min-free"),
+    ],
+)
+def test_a_size_without_a_unit_below_1mib_is_refused_with_a_hint(
+    base, tmp_path, argv, env, toml, flag
+):
+    """``--cache-size 10`` is a forgotten unit, not a 10-byte cache that admits nothing."""
+    extra = ["--config", write(tmp_path / "c.toml", toml)] if toml else []
+    with pytest.raises(ConfigError) as ei:
+        parse_settings([*base, *argv, *extra], env)
+    number = re.search(r"\d+", " ".join([*argv, *env.values(), toml])).group()
+    assert ei.value.flag == flag
+    assert f"{number} = {number} bytes; did you mean {number}G?" in str(ei.value)
+
+
+def test_sizes_with_a_unit_or_of_1mib_and_more_are_taken_as_written(base):
+    for text, value in (("10B", 10), ("10G", 10 * 10**9), ("1048576", 2**20), ("1k", 1000)):
+        assert parse_settings([*base, "--cache-size", text], {}).cache_size == value
+    assert parse_settings([*base, "--min-free", "0"], {}).min_free == 0
+    assert parse_settings([*base, "--min-free", "64KiB"], {}).min_free == 64 * 1024
+    assert parse_size("10") == 10  # the parser itself: bytes, as before
+
+
+def test_the_size_hint_on_the_command_line(tmp_path):
+    res = subprocess.run(
+        [sys.executable, "-m", "shardcache", "serve", "--cache-dir", str(tmp_path)]
+        + ["--upstream", "http://a", "--cache-size", "10"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2, res.stderr
+    assert "--cache-size: 10 = 10 bytes; did you mean 10G?" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def test_a_negative_part_size_names_its_flag(base):
     with pytest.raises(ConfigError, match="^--part-size: .*negative"):
         parse_settings([*base, "--part-size", "-8MiB"], {})

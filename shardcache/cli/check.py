@@ -16,7 +16,8 @@ import os
 import uuid
 from collections.abc import Iterable
 
-from shardcache.errors import ConfigError
+from shardcache.cli.common import CACHE_DIR_ENV, add_option, cache_dir_arg
+from shardcache.sizes import format_size
 from shardcache.store import DEL_SUFFIX, INDEX_NAME, PART_SUFFIX, Store
 
 # the index and SQLite's files beside it
@@ -70,17 +71,16 @@ def store_check(args: argparse.Namespace) -> int:
     """The store's own check (and repair with ``--fix``) of ``args.cache_dir``: exit 0
     when nothing is left wrong, 1 otherwise."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    cache_dir = args.cache_dir
-    if not os.path.isdir(cache_dir):
-        raise ConfigError("--cache-dir", f"{cache_dir} is not a directory")
-    if not os.path.exists(os.path.join(cache_dir, INDEX_NAME)):
-        raise ConfigError("--cache-dir", f"{cache_dir} has no shardcache index ({INDEX_NAME})")
+    cache_dir = args.cache_dir = cache_dir_arg(args.cache_dir)
     store = Store(cache_dir, reconcile=False)  # report first; repair only with --fix
     try:
         report = store.check(fix=args.fix, verify=getattr(args, "verify", False))
     finally:
         store.close()
-    print(f"cache {cache_dir}: {report.entries} entries, {report.bytes} bytes")
+    size = f"{report.bytes} bytes"
+    if report.bytes >= 1024:
+        size = f"{format_size(report.bytes)} ({size})"
+    print(f"cache directory {os.path.abspath(cache_dir)}: {report.entries} entries, {size}")
     if getattr(args, "verify", False):
         print(f"verified {report.verified} entries, {report.digest_mismatch} changed on disk")
     for line in report.problems:
@@ -117,7 +117,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "exit 1 if any remain. Also lists stray files: names in the directory that are not "
         "the cache's (left alone).",
     )
-    c.add_argument("--cache-dir", required=True, help="the cache directory")
+    add_option(c, "--cache-dir", default=None, help="the cache directory", env=CACHE_DIR_ENV)
     c.add_argument("--fix", action="store_true", help="repair what can be repaired")
     c.add_argument(
         "--verify",

@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import os
+import stat
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -73,6 +74,36 @@ def add_proxy_option(parser: argparse.ArgumentParser) -> argparse.Action:
 
 class ToolError(ShardcacheError):
     """A tool could not do its job (proxy unreachable, bad answer, bad argument)."""
+
+
+def cache_dir_arg(given: str | None) -> str:
+    """The cache directory a tool reads: ``--cache-dir``, else ``$SHARDCACHE_CACHE_DIR``
+    (the variable ``serve`` reads), checked to be a shardcache cache that this uid can
+    read. :class:`ToolError` says which of these it is not, and why: a directory that
+    cannot be listed is not "a directory without an index"."""
+    from shardcache.store import INDEX_NAME
+
+    cache_dir = given or os.environ.get(CACHE_DIR_ENV)
+    if not cache_dir:
+        raise ToolError(f"--cache-dir: required (or set {CACHE_DIR_ENV})")
+    uid = os.getuid() if hasattr(os, "getuid") else "?"
+    try:
+        is_dir = stat.S_ISDIR(os.stat(cache_dir).st_mode)
+        names = os.listdir(cache_dir) if is_dir else []
+    except FileNotFoundError:
+        raise ToolError(f"--cache-dir: {cache_dir} does not exist") from None
+    except NotADirectoryError:
+        raise ToolError(f"--cache-dir: {cache_dir} is not a directory") from None
+    except OSError as exc:
+        raise ToolError(
+            f"--cache-dir: cannot read {cache_dir} ({exc.strerror or exc}); running as uid "
+            f"{uid}: run as the proxy's user, or make the directory readable by this uid"
+        ) from None
+    if not is_dir:
+        raise ToolError(f"--cache-dir: {cache_dir} is not a directory")
+    if INDEX_NAME not in names:
+        raise ToolError(f"--cache-dir: {cache_dir} is not a shardcache cache (no {INDEX_NAME})")
+    return cache_dir
 
 
 # --------------------------------------------------------------------------- pure helpers

@@ -123,7 +123,7 @@ def configuration_reference() -> str:
         _md_table(setting_rows()),
         "",
     ]
-    for name in ("prefetch", "plan", "stats", "ls"):
+    for name in ("prefetch", "plan", "stats", "ls", "check"):
         sub = _subparser(parser, name)
         parts += [
             f"## `shardcache {name}`",
@@ -134,3 +134,62 @@ def configuration_reference() -> str:
             "",
         ]
     return "\n".join(p for p in parts if p is not None).rstrip() + "\n"
+
+
+# --------------------------------------------------------------------------- example file
+
+
+def _toml_value(value: object) -> str:
+    """A default as TOML, in the form the file is read back (sizes as text, lists as
+    arrays of text)."""
+    import json
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(json.dumps(str(v)) for v in value) + "]"
+    return json.dumps(str(value))
+
+
+def _wrap(text: str, width: int = 88) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width - 2, break_on_hyphens=False, break_long_words=False)
+
+
+def example_config() -> str:
+    """An example ``shardcache.toml`` with every setting of ``serve`` commented out: its
+    meaning, flag, variable and default, then the key with its default as a value (or
+    ``""`` where the default is computed or none). Uncommenting a line gives the default;
+    the file is generated from the settings table, like the configuration reference."""
+    from proxy.config import SETTINGS, SIZE_UNITS
+
+    out = [
+        "# shardcache.toml: every setting of `shardcache serve`, commented out.",
+        "# Generated from the settings table by `python docs/gen_configuration.py`; do not",
+        "# edit by hand. Use it with `shardcache serve --config shardcache.toml` (or",
+        "# SHARDCACHE_CONFIG); a flag or an environment variable wins over the file.",
+        "#",
+        *("# " + line for line in _wrap(SIZE_UNITS)),
+        "# An empty string leaves a setting at its default.",
+    ]
+    for s in SETTINGS:
+        if s.flag is None:  # set by code only
+            continue
+        out.append("")
+        out += ["# " + line for line in _wrap(s.meaning())]
+        default = s.default_text()
+        where = f"{s.flag}, env {s.env}" + (f"; default: {default}" if default else "")
+        out += ["# " + line for line in _wrap(where)]
+        if s.required:
+            value = '"/var/cache/shardcache"'  # an example: there is no default
+        elif s.default is None:
+            value = '""'
+        elif s.show is not None:
+            value = _toml_value(s.show(s.default))
+        else:
+            value = _toml_value(s.default)
+        out.append(f"# {s.name} = {value}")
+    return "\n".join(out) + "\n"

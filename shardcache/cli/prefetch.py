@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from shardcache.cli.common import (
     CHUNK,
@@ -212,12 +213,84 @@ def _expand(pattern: str) -> list[str]:
     return urls
 
 
+def proxy_urls(proxy: str, items: Sequence[str], stats: Callable[[], dict[str, Any]]) -> list[str]:
+    """The URLs on ``proxy`` of the shards ``items`` name, in the forms a read plan takes:
+    a path on the proxy, a URL of the proxy, an upstream URL (mapped to the proxy's path
+    as :func:`shardcache.proxied` maps it, with the upstreams the proxy reports in
+    ``/-/stats``), ``s3://BUCKET/KEY`` of a bucket of the S3 front, or a URL of a host the
+    proxy allows (``--allow-host``). ``stats`` is called once, when an absolute URL
+    needs it. ToolError for a URL under none of the upstreams, naming them."""
+    from shardcache.errors import ProxyURLError
+    from shardcache.urls import proxied
+
+    base = proxy.rstrip("/")
+    known: dict[str, Any] | None = None
+    out = []
+    for item in items:
+        scheme = urlsplit(item).scheme.lower()
+        if (
+            item.startswith(base + "/")
+            or "://" not in item
+            or scheme not in ("http", "https", "s3")
+        ):
+            out.append(proxy_url(proxy, item))
+            continue
+        if _same_loopback(item, base):  # localhost:PORT for 127.0.0.1:PORT
+            out.append(proxy_url(proxy, urlsplit(item)._replace(scheme="", netloc="").geturl()))
+            continue
+        if known is None:
+            known = stats()
+        upstreams = known.get("upstreams")
+        if not isinstance(upstreams, list):  # a proxy that does not say: as it comes
+            out.append(proxy_url(proxy, item))
+            continue
+        names = {str(u).partition("=")[0] for u in upstreams if "=" in str(u).split("://")[0]}
+        parts = urlsplit(item)
+        if scheme == "s3" and parts.hostname in names:
+            out.append(f"{base}/{parts.hostname}{parts.path}")  # a bucket of the S3 front
+            continue
+        try:
+            out.append(str(proxied(item, base, upstream=upstreams)))
+        except ProxyURLError:
+            allowed = {h.lower() for h in known.get("allow_hosts") or ()}
+            netloc = (parts.netloc.rpartition("@")[2]).lower()
+            if scheme in ("http", "https") and (netloc in allowed or parts.hostname in allowed):
+                out.append(proxy_url(proxy, item))  # the absolute-URL form, for this host
+                continue
+            listed = ", ".join(map(str, upstreams)) or "none"
+            raise ToolError(
+                f"{item}: under none of the proxy's upstreams ({listed}), and its host is not "
+                "named with --allow-host; check the URL and the upstreams for a typo"
+            ) from None
+    return out
+
+
+_LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1", "ip6-localhost"})
+
+
+def _same_loopback(url: str, base: str) -> bool:
+    """Whether ``url`` is on the proxy at ``base`` under another loopback name."""
+    a, b = urlsplit(url), urlsplit(base)
+    try:
+        same_port = (a.port or 80) == (b.port or 80)
+    except ValueError:
+        return False
+    return (
+        a.scheme.lower() == b.scheme.lower()
+        and same_port
+        and (a.hostname or "") in _LOOPBACK
+        and (b.hostname or "") in _LOOPBACK
+    )
+
+
 def cmd_prefetch(args: argparse.Namespace) -> int:
     """``shardcache prefetch``: warm a pattern of shards through a running proxy."""
+    from shardcache.cli.stats import fetch_stats
+
     proxy = _resolve_proxy(args.proxy)
     items = _expand(args.pattern)
-    urls = [proxy_url(proxy, item) for item in items]
     probe_proxy(proxy)  # one clear error instead of one per shard
+    urls = proxy_urls(proxy, items, lambda: fetch_stats(proxy))
     err = sys.stderr
     console = None if args.quiet else _rich_console(err)
     t0 = time.monotonic()
@@ -309,8 +382,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="warm a brace pattern of shards through a running proxy",
         description="GET every shard of PATTERN through the proxy, discarding the bytes, "
         "so that later readers hit the cache. PATTERN is a brace pattern of paths on the "
-        "proxy (e.g. '/shards/train-{000000..000099}.tar') or of absolute URLs of hosts "
-        "the proxy allows. Exits 1 naming the shards that failed.",
+        "proxy (e.g. '/shards/train-{000000..000099}.tar'), of URLs of the proxy, of "
+        "upstream URLs (mapped to the proxy's paths, as by plan and shardcache.proxied), "
+        "of s3://bucket/key names for the S3 front, or of URLs of hosts the proxy allows. "
+        "Exits 1 naming the shards that failed.",
     )
     p.add_argument("pattern", metavar="PATTERN", help="brace pattern of shard paths or URLs")
     add_proxy_option(p)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +15,7 @@ from shardcache.cli.common import (
     _resolve_proxy,
     add_option,
     add_proxy_option,
+    cache_dir_arg,
     flatten,
     format_stat,
     format_time,
@@ -37,16 +37,26 @@ def fetch_stats(proxy: str, timeout: float = 10.0) -> dict[str, Any]:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             body = resp.read()
     except urllib.error.HTTPError as exc:
+        if exc.code in (404, 405, 501):  # a server without the route: not ours
+            raise ToolError(f"{url}: HTTP {exc.code} {exc.reason}: {_not_a_proxy(proxy)}") from exc
         raise ToolError(f"{url}: HTTP {exc.code} {exc.reason}") from exc
     except (urllib.error.URLError, OSError) as exc:
         raise no_proxy_error(proxy, exc) from exc
     try:
         data = json.loads(body)
     except ValueError as exc:
-        raise ToolError(f"{url}: answer is not JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise ToolError(f"{url}: expected a JSON object, got {type(data).__name__}")
+        raise ToolError(f"{url}: answer is not JSON ({exc}): {_not_a_proxy(proxy)}") from exc
+    if not isinstance(data, dict) or "hits" not in data:
+        raise ToolError(f"{url}: not the statistics of a shardcache proxy: {_not_a_proxy(proxy)}")
     return data
+
+
+def _not_a_proxy(proxy: str) -> str:
+    return (
+        f"the server at {proxy} answers HTTP but is not a shardcache proxy (an origin, or "
+        "another service on that port?); give the proxy's address with --proxy or "
+        "SHARDCACHE_PROXY"
+    )
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -75,17 +85,11 @@ _LS_SORT: dict[str, tuple[Callable[[Any], Any], bool]] = {
 
 def cmd_ls(args: argparse.Namespace) -> int:
     """``shardcache ls``: the entries of an on-disk store."""
-    from shardcache.store import INDEX_NAME, Store
+    from shardcache.store import Store
 
-    cache_dir = args.cache_dir or os.environ.get(CACHE_DIR_ENV)
-    if not cache_dir:
-        raise ToolError(f"--cache-dir: required (or set {CACHE_DIR_ENV})")
-    if not os.path.isdir(cache_dir):
-        raise ToolError(f"--cache-dir: {cache_dir} is not a directory")
     # Opening a Store reconciles the directory; never do that to a directory that is not
     # a cache (it would create an index there and treat uuid-named files as orphans).
-    if not os.path.exists(os.path.join(cache_dir, INDEX_NAME)):
-        raise ToolError(f"--cache-dir: {cache_dir} is not a shardcache cache (no {INDEX_NAME})")
+    cache_dir = cache_dir_arg(args.cache_dir)
     key, reverse = _LS_SORT[args.sort]
     with Store(cache_dir, reconcile=False) as store:
         entries = sorted(store.entries(), key=key, reverse=reverse)
