@@ -41,6 +41,7 @@ from proxy.s3front import S3_SERVICE_ROUTE, S3Front
 from proxy.sendfile import send_file
 from proxy.storehealth import StoreHealth
 from proxy.upstream import Fetcher, ObjectMeta, S3Upstream, UpstreamBody
+from proxy.upstream.cloud import CloudUpstream
 from proxy.upstream.redirects import RedirectPolicy
 from proxy.upstream.resume import can_resume
 from shardcache.errors import (
@@ -83,6 +84,7 @@ HITS = web.AppKey("hits", HitTier)
 PLANS = web.AppKey("plans", Plans)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 S3_CLIENT = web.AppKey("s3_client", object)
+CLOUD_CLIENT = web.AppKey("cloud_client", object)
 
 _RequestKey = getattr(web, "RequestKey", None)  # aiohttp >= 3.12
 
@@ -131,9 +133,19 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
             read_timeout=settings.read_timeout,
             max_connections=max(64, 2 * settings.parallel),
         )
+    cloud = None
+    if any(u.base.startswith(("gs://", "az://")) for u in settings.upstreams):
+        cloud = CloudUpstream(
+            gcs_endpoint_url=settings.gcs_endpoint_url,
+            azure_endpoint_url=settings.azure_endpoint_url,
+            connect_timeout=settings.connect_timeout,
+            read_timeout=settings.read_timeout,
+            max_connections=max(64, 2 * settings.parallel),
+        )
     front = S3Front(
         buckets={u.name: u.base for u in settings.upstreams if u.name},
         s3=s3,
+        cloud=cloud,
         access_key=settings.s3_front_access_key,
         secret_key=settings.s3_front_secret_key,
         region=settings.s3_region or "us-east-1",
@@ -150,6 +162,7 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
     app = web.Application(middlewares=[_observe, front.middleware], client_max_size=4 << 20)
     app.on_response_prepare.append(front.on_prepare)
     app[S3_CLIENT] = s3
+    app[CLOUD_CLIENT] = cloud
     app[SETTINGS] = settings
     app[METRICS] = ProxyMetrics()
     app[RUNTIME] = {"ready": False, "sendfile": sendfile}
@@ -222,6 +235,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         http_parts=s.http_parts,
         threaded=s.http_transport == "threads",
         s3=app[S3_CLIENT],  # type: ignore[arg-type]
+        cloud=app[CLOUD_CLIENT],  # type: ignore[arg-type]
         redirects=RedirectPolicy(hosts=s.redirect_hosts, max_hops=s.max_redirects),
     )
     app[STORE] = store
