@@ -242,10 +242,20 @@ _STATUS_IN_TEXT = re.compile(r"status code: (\d{3})")
 _QUERY_IN_TEXT = re.compile(r"\?[^\s\"']*")
 
 
+_CODE_IN_TEXT = re.compile(r"<Code>([^<]{1,100})</Code>")
+
+
 def _cloud_text(exc: BaseException) -> str:
-    """obstore's message, first line only, with every URL query removed: a SAS token
-    travels in the query and must never reach a log or a client."""
-    text = (str(exc) or type(exc).__name__).strip().split("\n", 1)[0]
+    """obstore's message, first line only, and the service's error code; with every URL
+    query removed: a SAS token travels in the query and must never reach a log or a
+    client (obstore writes REDACTED for such URLs itself; this holds if it did not)."""
+    full = str(exc) or type(exc).__name__
+    text = full.strip().split("\n", 1)[0]
+    if text.endswith("?>"):  # an XML error document follows: keep its code
+        text = text[: text.rfind("<?xml")].rstrip(": ")
+    code = _CODE_IN_TEXT.search(full)
+    if code:
+        text += f" ({code.group(1)})"
     return _QUERY_IN_TEXT.sub("?…", text)[:500]
 
 
