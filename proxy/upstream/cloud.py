@@ -41,6 +41,7 @@ from proxy.upstream.errors import cloud_error
 from proxy.upstream.s3 import S3Response
 from proxy.upstream.stream import retrying
 from shardcache.errors import (
+    BadRequest,
     ConfigError,
     ObjectChanged,
     ProxyError,
@@ -126,6 +127,20 @@ def _range(header: str | None) -> tuple[int, int | None] | int | None:
         return int(first), (int(last) if last else None)
     except ValueError:
         return None
+
+
+def _object_key(url: str, loc: CloudLocation) -> str:
+    """``loc``'s key as obstore reads it. obstore's paths have no empty, ``.`` or ``..``
+    segments and drop a leading or trailing ``/``: such a key would name another object
+    (``dir/`` would read ``dir``), so it is refused rather than served."""
+    key = loc.key
+    segments = key.split("/")
+    if not key or any(s in ("", ".", "..") for s in segments):
+        raise BadRequest(
+            f"{url}: object names with empty, '.' or '..' segments (or a leading or "
+            f"trailing '/') cannot be read from {loc.scheme}:// upstreams"
+        )
+    return key
 
 
 class CloudResponse(S3Response):
@@ -276,8 +291,9 @@ class CloudUpstream:
         options: dict[str, Any] = {"head": True}
         if if_match:
             options["if_match"] = if_match
+        key = _object_key(url, loc)
         got = await self._call(
-            url, loc.scheme, obstore.get_async, self.store(loc), loc.key, options=options
+            url, loc.scheme, obstore.get_async, self.store(loc), key, options=options
         )
         meta = _object_meta(loc.scheme, got.meta, got.attributes)
         if if_match and meta.etag != if_match:
@@ -297,6 +313,7 @@ class CloudUpstream:
         import obstore
 
         loc = parse_cloud_url(url, quoted=quoted)
+        key = _object_key(url, loc)
         store = self.store(loc)
         wanted = _range(range)
         options: dict[str, Any] = {}
@@ -310,7 +327,7 @@ class CloudUpstream:
         if wanted is not None:
             first, last = wanted
             options["range"] = {"offset": first} if last is None else (first, last + 1)
-        got = await self._call(url, loc.scheme, obstore.get_async, store, loc.key, options=options)
+        got = await self._call(url, loc.scheme, obstore.get_async, store, key, options=options)
         meta = _object_meta(loc.scheme, got.meta, got.attributes)
         if if_match and meta.etag != if_match:
             raise ObjectChanged(f"{url}: ETag changed from {if_match} to {meta.etag}")

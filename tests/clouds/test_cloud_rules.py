@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from proxy.config import ConfigError, parse_settings
-from proxy.upstream.cloud import _range
+from proxy.upstream.cloud import _object_key, _range
 from proxy.upstream.cloudurl import CloudLocation, parse_cloud_url
 from proxy.upstream.errors import cloud_error
 from shardcache.errors import (
@@ -106,3 +106,11 @@ def test_range_values():
     assert _range("bytes=-10") == -10
     assert _range("bytes=0-1,5-6") is None  # several: the whole object answers
     assert _range("items=0-1") is None
+
+
+def test_keys_obstore_would_rewrite_are_refused():
+    """obstore reads ``dir/`` as ``dir`` and cannot name ``a//b``: never another object."""
+    assert _object_key("gs://bkt/a/b.tar", parse_cloud_url("gs://bkt/a/b.tar")) == "a/b.tar"
+    for key in ("dir/", "a//b", "a/./b", "a/../b", ""):
+        with pytest.raises(BadRequest):
+            _object_key(f"gs://bkt/{key}", parse_cloud_url(f"gs://bkt/{key}"))
