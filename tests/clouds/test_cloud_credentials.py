@@ -101,6 +101,7 @@ class _Gate:
         self.public_pem = public_pem
         self.verified: list[str] = []  # the JWT issuer of each forwarded request
         self.refused = 0
+        self.busy = 0  # answer this many more requests 503 (GCS's "slow down")
         gate = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -119,6 +120,12 @@ class _Gate:
                     self.end_headers()
                     return
                 gate.verified.append(claims["iss"])
+                if gate.busy > 0:
+                    gate.busy -= 1
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 conn = http.client.HTTPConnection("127.0.0.1", gate.upstream_port, timeout=30)
                 keep = ("range", "if-match", "if-none-match", "accept-encoding")
                 conn.request(
@@ -190,6 +197,18 @@ def test_gcs_service_account_file_signs_the_requests(gate, tmp_path):
     assert gate.verified and set(gate.verified) == {"reader@test.iam.gserviceaccount.com"}
     assert gate.refused == 0
     assert "BEGIN PRIVATE KEY" not in log and "Bearer" not in log
+
+
+def test_gcs_throttling_is_retried(gate, tmp_path):
+    gate.busy = 2
+    p = _gcs_proxy(gate, tmp_path, gate.key_file)
+    try:
+        assert _get(p.url + "/data/small.tar") == (200, SMALL)
+        log = p.log_text()
+    finally:
+        p.stop()
+    assert gate.busy == 0
+    assert "GCS is throttling or unavailable" in log
 
 
 def test_gcs_another_key_is_refused_with_a_hint(gate, tmp_path):
