@@ -30,14 +30,17 @@ transit (GCS would otherwise transcode it and ignore Range).
 from __future__ import annotations
 
 import os
+import re
+import time
 from collections.abc import AsyncIterator, Mapping
 from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
 from typing import Any
+from urllib.parse import quote
 
 from proxy.config import DEFAULTS
 from proxy.upstream.cloudurl import CloudLocation, parse_cloud_url
-from proxy.upstream.errors import cloud_error
+from proxy.upstream.errors import cloud_error, cloud_status_error
 from proxy.upstream.s3 import S3Response
 from proxy.upstream.stream import retrying
 from shardcache.errors import (
@@ -53,6 +56,9 @@ from shardcache.meta import ObjectMeta
 __all__ = ["CLOUD_EXTRA_HINT", "CloudResponse", "CloudTransport", "CloudUpstream"]
 
 CLOUD_EXTRA_HINT = "gs:// and az:// upstreams need obstore: pip install '.[cloud]' (or obstore)"
+
+# keys presigned for the threaded transport: unreserved characters only
+_PLAIN_KEY = re.compile(r"^[A-Za-z0-9._~/\-]+$")
 
 # obstore attribute names that are HTTP header fields of the object as stored
 _STANDARD = ("Content-Encoding", "Content-Language", "Content-Disposition", "Cache-Control")
@@ -96,6 +102,10 @@ def _object_meta(scheme: str, meta: Mapping[str, Any], attributes: Mapping[str, 
         accept_ranges=True,
         fields=tuple(fields),
     )
+
+
+def _true(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _connection_string() -> dict[str, str]:
@@ -215,6 +225,7 @@ class CloudUpstream:
         self.retries = retries
         self.backoff = backoff
         self._stores: dict[str, Any] = {}
+        self._presigned: dict[str, tuple[float, str | None]] = {}
 
     def _client_options(self, endpoint: str | None) -> dict[str, Any]:
         return {
@@ -335,6 +346,42 @@ class CloudUpstream:
         status = 206 if wanted is not None else 200
         return CloudResponse(url, loc.scheme, status, meta, start, stop - start, got)
 
+    async def presign(self, url: str, *, quoted: bool = False) -> str | None:
+        """A URL that GETs ``url`` with no further signing, for the threaded transport,
+        or None when the GET must stay with obstore. Azure: a SAS that obstore signs
+        locally with the account key (valid an hour, reused for half of that; Azurite
+        checks it). GCS: only a public bucket read unsigned (``GOOGLE_SKIP_SIGNATURE``),
+        whose plain URL needs no signature; signed GCS reads stay with obstore's bearer
+        tokens (obstore signs V4 URLs for storage.googleapis.com whatever the endpoint,
+        and here no GCS could check them). Keys of other than unreserved characters stay
+        with obstore too: signers and stores disagree on how to canonicalize them (a space
+        fails Azurite's SAS check)."""
+        import obstore
+
+        now = time.monotonic()
+        hit = self._presigned.get(url)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        loc = parse_cloud_url(url, quoted=quoted)
+        key = _object_key(url, loc)
+        if not _PLAIN_KEY.match(key):
+            return None
+        signed: str | None = None
+        if loc.scheme == "gs":
+            if _true(os.environ.get("GOOGLE_SKIP_SIGNATURE")):
+                base = (self.gcs_endpoint_url or "https://storage.googleapis.com").rstrip("/")
+                signed = f"{base}/{loc.bucket}/{quote(key, safe='/')}"
+        else:
+            try:
+                signed = await obstore.sign_async(self.store(loc), "GET", key, timedelta(hours=1))
+            except Exception:  # no account key (SAS, bearer credentials): obstore reads
+                signed = None
+        if len(self._presigned) > 4096:
+            self._presigned.clear()
+        # a failure is remembered too (5 minutes): no signing attempt per request
+        self._presigned[url] = (now + (1800 if signed else 300), signed)
+        return signed
+
     async def list_objects_v2(self, base: str, **params: Any) -> dict:
         """A ListObjectsV2 of the bucket or container ``base`` (``gs://BUCKET`` or
         ``az://ACCOUNT/CONTAINER``), answered in botocore's shape from obstore's listing:
@@ -413,10 +460,36 @@ class CloudTransport:
     object answers 412, as the S3 transport does). URLs are the proxy's canonical ones
     (key segments percent-encoded)."""
 
-    def __init__(self, cloud: CloudUpstream) -> None:
+    def __init__(self, cloud: CloudUpstream, threads: Any = None) -> None:
         self.cloud = cloud
+        self.threads = threads
 
-    async def request(self, method: str, url: str, headers: Mapping[str, str]) -> CloudResponse:
+    async def _threaded_get(self, signed: str, url: str, headers: Mapping[str, str]) -> Any:
+        """GET a presigned URL on the threaded transport (bodies received by worker
+        threads straight into the file); an error answer mapped by the cloud table."""
+        scheme = url.partition("://")[0].lower()
+        h = {k: v for k, v in headers.items() if k in ("Range", "If-Match")}
+        if scheme == "gs":
+            h["Accept-Encoding"] = "gzip"  # the stored bytes, never transcoded
+        resp = await self.threads.request("GET", signed, h, label=url)
+        if resp.status < 400 or resp.status in (412, 416):
+            return resp
+        body = b""
+        try:
+            async for chunk in resp.chunks():
+                body += chunk
+                if len(body) > 65536:
+                    break
+        except ProxyError:
+            pass
+        finally:
+            resp.close()
+        code = re.search(rb"<Code>([^<]{1,100})</Code>", body)
+        raise cloud_status_error(
+            url, scheme, resp.status, code.group(1).decode("ascii", "replace") if code else ""
+        )
+
+    async def request(self, method: str, url: str, headers: Mapping[str, str]) -> Any:
         scheme = url.partition("://")[0].lower()
         if_match = headers.get("If-Match")
         if if_match is None and (headers.get("If-Range") or "").startswith('"'):
@@ -426,6 +499,13 @@ class CloudTransport:
             if headers.get("If-None-Match") in (meta.etag, "*"):
                 return CloudResponse(url, scheme, 304, meta, 0, 0)
             return CloudResponse(url, scheme, 200, meta, 0, meta.size or 0)
+        rng = headers.get("Range")
+        if self.threads is not None and (rng is None or isinstance(_range(rng), tuple)):
+            # suffix and multi-range requests stay with obstore (Azure has no suffix)
+            signed = await self.cloud.presign(url, quoted=True)
+            if signed is not None:
+                pinned = {**headers, **({"If-Match": if_match} if if_match else {})}
+                return await self._threaded_get(signed, url, pinned)
         try:
             return await self.cloud.open(url, headers.get("Range"), if_match, quoted=True)
         except RangeNotSatisfiable:

@@ -36,6 +36,7 @@ __all__ = [
     "botocore_error",
     "aiohttp_error",
     "cloud_error",
+    "cloud_status_error",
     "file_error",
     "s3_error",
     "socket_error",
@@ -290,6 +291,17 @@ def cloud_error(url: str, scheme: str, exc: BaseException, *, body: bool) -> Pro
     if body:
         return UpstreamCut(f"{url}: {name} body broke off: {text}")
     return UpstreamError(f"{url}: cannot reach {name}: {text}")
+
+
+def cloud_status_error(url: str, scheme: str, status: int, code: str = "") -> ProxyError:
+    """An error answer of GCS or Azure to a presigned GET (``code``: the error
+    document's, may be empty), mapped by the same table as obstore's errors."""
+    text = f"status code: {status}" + (f" ({code})" if code else "")
+    return cloud_error(url, scheme, _CloudStatus(text), body=False)
+
+
+class _CloudStatus(Exception):
+    """An error answer, described as obstore describes one."""
 
 
 REDIRECTS = frozenset({301, 302, 303, 307, 308})

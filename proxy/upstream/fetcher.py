@@ -103,7 +103,11 @@ class Fetcher:
         self._s3 = (
             S3Transport(s3, threads=self._threads if threaded else None) if s3 is not None else None
         )
-        self._cloud = CloudTransport(cloud) if cloud is not None else None
+        self._cloud = (
+            CloudTransport(cloud, threads=self._threads if threaded else None)
+            if cloud is not None
+            else None
+        )
         self.redirects = redirects if redirects is not None else RedirectPolicy()
         self._targets: OrderedDict[str, Target] = OrderedDict()
 

@@ -111,9 +111,19 @@ def _start(provider: Provider, tmp: Path, *extra: str, env: dict | None = None) 
     ).start()
 
 
-@pytest.fixture(scope="module")
-def proxy(provider, tmp_path_factory):
-    p = _start(provider, tmp_path_factory.mktemp(f"{provider.kind}proxy"))
+@pytest.fixture(scope="module", params=["threads", "aiohttp"])
+def proxy(provider, tmp_path_factory, request):
+    """The proxy with each GET path: ``threads`` (presigned GETs received by worker
+    threads where the store allows: Azure's account key, a public GCS bucket) and
+    ``aiohttp`` (every request through obstore). ``tag`` keeps their objects apart."""
+    transport = request.param
+    p = _start(
+        provider,
+        tmp_path_factory.mktemp(f"{provider.kind}proxy"),
+        "--http-transport",
+        transport,
+    )
+    p.tag = f"{provider.kind}-{transport}"  # type: ignore[attr-defined]
     try:
         yield p
     finally:
@@ -163,7 +173,7 @@ def test_head_and_the_stored_fields_travel_with_the_bytes(provider, proxy):
     """HEAD (cold) tells size, ETag, Last-Modified, type and the stored fields; GET
     serves the bytes as stored (gzip stays gzip) with the same fields, miss and hit."""
     encoded = gzip.compress(os.urandom(300_000), compresslevel=1)
-    key = f"shards/encoded-{provider.kind}.tar.gz"
+    key = f"shards/encoded-{proxy.tag}.tar.gz"
     provider.put(
         key,
         encoded,
@@ -192,7 +202,7 @@ def test_head_and_the_stored_fields_travel_with_the_bytes(provider, proxy):
 
 
 def test_range_cold_and_warm(provider, proxy):
-    key = f"shards/ranged-{provider.kind}.bin"
+    key = f"shards/ranged-{proxy.tag}.bin"
     data = os.urandom(2 * PART + 99)
     provider.put(key, data)
     url = f"{proxy.url}/{key}"
@@ -210,7 +220,7 @@ def test_range_cold_and_warm(provider, proxy):
 
 
 def test_missing_object_is_404_and_not_cached(provider, proxy):
-    key = f"shards/late-{provider.kind}.tar"
+    key = f"shards/late-{proxy.tag}.tar"
     status, _, body = _get(f"{proxy.url}/{key}")
     assert status == 404, body
     provider.put(key, b"now here")
@@ -256,7 +266,7 @@ def test_webdataset_reads_shards_through_the_proxy(provider, proxy):
     import webdataset as wds
 
     shard = make_shard(20, seed=7)
-    key = f"shards/wds-{provider.kind}-000000.tar"
+    key = f"shards/wds-{proxy.tag}-000000.tar"
     provider.put(key, shard)
     before = _upstream_bytes(proxy)
     for _ in range(2):  # two epochs, one download
@@ -266,7 +276,8 @@ def test_webdataset_reads_shards_through_the_proxy(provider, proxy):
     assert provider.read(key) == shard
 
 
-def test_replaced_between_parts_is_an_error_never_a_splice(provider, monkeypatch):
+@pytest.mark.parametrize("threaded", [True, False])
+def test_replaced_between_parts_is_an_error_never_a_splice(provider, monkeypatch, threaded):
     """The object is replaced (same size, other bytes) after the first part's answer
     pinned its ETag: the later parts fail with ObjectChanged, no byte of the new version
     is delivered as the old one's."""
@@ -276,7 +287,7 @@ def test_replaced_between_parts_is_an_error_never_a_splice(provider, monkeypatch
 
     for k, v in provider.env().items():
         monkeypatch.setenv(k, v)
-    key = f"race/replaced-{provider.kind}.bin"
+    key = f"race/replaced-{provider.kind}-{threaded}.bin"
     old, new = os.urandom(4 * PART), os.urandom(4 * PART)
     provider.put(key, old)
     endpoints = {
@@ -286,7 +297,14 @@ def test_replaced_between_parts_is_an_error_never_a_splice(provider, monkeypatch
 
     async def run() -> bytes:
         cloud = CloudUpstream(**endpoints)
-        fetcher = Fetcher(cloud=cloud, part_size=PART, parallel=2, retries=1, retry_backoff=0.01)
+        fetcher = Fetcher(
+            cloud=cloud,
+            part_size=PART,
+            parallel=2,
+            retries=1,
+            retry_backoff=0.01,
+            threaded=threaded,
+        )
         try:
             body = await fetcher.open(provider.base(key))
             assert body.meta.size == len(old)
