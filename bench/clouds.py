@@ -207,13 +207,22 @@ def main() -> None:
     ap.add_argument("--parts", type=int, default=8)
     ap.add_argument("--only", choices=("gcs", "azure", "s3"), default=None)
     ap.add_argument("--no-proxy", action="store_true", help="the libraries only")
+    ap.add_argument(
+        "--cache-parent",
+        default=None,
+        help="where the proxies keep their caches (default: a temporary directory; "
+        "/dev/shm takes the disk's flush out of the cold reads)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     size = args.mib << 20
     data = os.urandom(size)
     keys = [f"big-{i}.bin" for i in range(args.rounds)]  # round i reads key i: cold in the proxy
     results: dict[str, dict[str, list[float]]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        tempfile.TemporaryDirectory(dir=args.cache_parent) as caches,
+    ):
         servers: list = []
         cases: list = []
         try:
@@ -226,7 +235,7 @@ def main() -> None:
                     bucket.blob(key).upload_from_string(data)
                 if not args.no_proxy:
                     gproxy = ProxyProcess(
-                        Path(tmp) / "gcs-cache", "--upstream", "gcs=gs://bench",
+                        Path(caches) / "gcs-cache", "--upstream", "gcs=gs://bench",
                         "--gcs-endpoint-url", gcs.url, "--cache-size", "64GiB",
                         env={"GOOGLE_SKIP_SIGNATURE": "true"},
                     ).start()  # fmt: skip
@@ -251,7 +260,7 @@ def main() -> None:
                     svc.get_blob_client("bench", key).upload_blob(data, max_concurrency=4)
                 if not args.no_proxy:
                     aproxy = ProxyProcess(
-                        Path(tmp) / "az-cache", "--upstream", f"az=az://{az.account}/bench",
+                        Path(caches) / "az-cache", "--upstream", f"az=az://{az.account}/bench",
                         "--azure-endpoint-url", az.url, "--cache-size", "64GiB",
                         env={"AZURE_STORAGE_ACCOUNT_KEY": az.key},
                     ).start()  # fmt: skip
@@ -277,7 +286,7 @@ def main() -> None:
                     s3.client().put_object(Bucket="bench", Key=key, Body=data)
                 if not args.no_proxy:
                     sproxy = ProxyProcess(
-                        Path(tmp) / "s3-cache", "--upstream", "s3=s3://bench",
+                        Path(caches) / "s3-cache", "--upstream", "s3=s3://bench",
                         "--s3-endpoint-url", s3.endpoint_url, "--cache-size", "64GiB",
                         env=aws_env(s3.access_key, s3.secret_key, Path(tmp)),
                     ).start()  # fmt: skip

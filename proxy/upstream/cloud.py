@@ -8,7 +8,9 @@ Python clients in BENCHMARKS.md: faster in every case on the emulators).
 HTTP origin's answers (:class:`~proxy.upstream.s3.S3Response`), so resuming,
 verification and parts work as for every upstream. A pinned read whose object was
 replaced answers 412, never other bytes: the ETag is sent as If-Match and the answer's
-ETag checked again here (an emulator may ignore If-Match).
+ETag checked again here (an emulator may ignore If-Match). With ``threads``, GETs whose
+URL can be signed locally (:meth:`CloudUpstream.presign`) go over the threaded
+transport, as presigned S3 GETs do: worker threads receive the body into the file.
 
 Credentials come from each provider's standard chain, read by obstore from the
 environment: for GCS ``GOOGLE_APPLICATION_CREDENTIALS`` (a service account or
