@@ -40,6 +40,8 @@ from email.utils import format_datetime
 from typing import Any
 from urllib.parse import quote
 
+from multidict import CIMultiDict
+
 from proxy.config import DEFAULTS
 from proxy.upstream.cloudurl import CloudLocation, parse_cloud_url
 from proxy.upstream.errors import cloud_error, cloud_status_error
@@ -475,6 +477,12 @@ class CloudTransport:
             h["Accept-Encoding"] = "gzip"  # the stored bytes, never transcoded
         resp = await self.threads.request("GET", signed, h, label=url)
         if resp.status < 400 or resp.status in (412, 416):
+            if (resp.headers.get("Vary") or "").strip().lower() == "origin":
+                # CORS bookkeeping GCS's XML API adds (this request has no Origin): the
+                # bytes do not vary, and obstore's answers never carry it
+                resp.headers = CIMultiDict(
+                    (k, v) for k, v in resp.headers.items() if k.lower() != "vary"
+                )
             return resp
         body = b""
         try:

@@ -102,6 +102,8 @@ class _Gate:
         self.verified: list[str] = []  # the JWT issuer of each forwarded request
         self.refused = 0
         self.busy = 0  # answer this many more requests 503 (GCS's "slow down")
+        self.anonymous = False  # forward unsigned requests too (a public bucket)
+        self.extra: dict[str, str] = {}  # header fields added to every answer
         gate = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -110,9 +112,12 @@ class _Gate:
 
                 auth = self.headers.get("Authorization", "")
                 try:
-                    claims = jwt.decode(
-                        auth.removeprefix("Bearer "), certs=gate.public_pem, verify=True
-                    )
+                    if gate.anonymous and not auth:
+                        claims = {"iss": "anonymous"}
+                    else:
+                        claims = jwt.decode(
+                            auth.removeprefix("Bearer "), certs=gate.public_pem, verify=True
+                        )
                 except Exception:
                     gate.refused += 1
                     self.send_response(401)
@@ -139,6 +144,8 @@ class _Gate:
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(k, v)
+                for k, v in gate.extra.items():
+                    self.send_header(k, v)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 if self.command != "HEAD":
@@ -209,6 +216,33 @@ def test_gcs_throttling_is_retried(gate, tmp_path):
         p.stop()
     assert gate.busy == 0
     assert "GCS is throttling or unavailable" in log
+
+
+@pytest.mark.parametrize("transport", ["threads", "aiohttp"])
+def test_gcs_vary_origin_does_not_keep_objects_out_of_the_cache(gate, tmp_path, transport):
+    """GCS's XML API answers with ``Vary: Origin`` (CORS bookkeeping): a public bucket's
+    objects are still cached, on both GET paths (presigned on threads, obstore)."""
+    gate.anonymous = True
+    gate.extra = {"Vary": "Origin"}
+    p = _Proxy(
+        tmp_path / "cache",
+        "--upstream",
+        f"data=gs://{BUCKET}/shards",
+        "--gcs-endpoint-url",
+        gate.url,
+        "--http-transport",
+        transport,
+        env=_clean_env(GOOGLE_SKIP_SIGNATURE="true"),
+    ).start()
+    try:
+        caches = []
+        for _ in range(2):
+            with urllib.request.urlopen(p.url + "/data/small.tar", timeout=30) as resp:
+                assert resp.read() == SMALL
+                caches.append(resp.headers["X-Cache"])
+    finally:
+        p.stop()
+    assert caches == ["MISS", "HIT"]
 
 
 def test_gcs_another_key_is_refused_with_a_hint(gate, tmp_path):
