@@ -49,11 +49,11 @@ from proxy.upstream.s3 import S3Response
 from proxy.upstream.stream import retrying
 from shardcache.errors import (
     BadRequest,
-    ConfigError,
     ObjectChanged,
     ProxyError,
     RangeNotSatisfiable,
     UpstreamCut,
+    UpstreamError,
 )
 from shardcache.meta import ObjectMeta
 
@@ -249,8 +249,8 @@ class CloudUpstream:
             return found
         try:
             from obstore.store import AzureStore, GCSStore
-        except ImportError as exc:
-            raise ConfigError("--upstream", CLOUD_EXTRA_HINT) from exc
+        except ImportError as exc:  # checked at startup; this is a request's error
+            raise UpstreamError(f"{key}: {CLOUD_EXTRA_HINT}") from exc
         retry = {"max_retries": 0, "retry_timeout": timedelta(seconds=1)}
         try:
             if loc.scheme == "gs":
@@ -281,8 +281,8 @@ class CloudUpstream:
         except ProxyError:
             raise
         except Exception as exc:  # a malformed endpoint or credential in the environment
-            raise ConfigError(
-                "--upstream", f"{key}: {cloud_error(key, loc.scheme, exc, body=False)}"
+            raise UpstreamError(
+                f"{key}: cannot set up the client: {cloud_error(key, loc.scheme, exc, body=False)}"
             ) from exc
         self._stores[key] = made
         return made
