@@ -30,6 +30,7 @@ from proxy.admin import (
 )
 from proxy.config import Settings
 from proxy.context import (
+    CLOUD_CLIENT,
     FETCHER,
     HEALTH,
     HITS,
@@ -68,6 +69,7 @@ from proxy.shard import (
 from proxy.storehealth import StoreHealth
 from proxy.thrash import ThrashWatch
 from proxy.upstream import Fetcher, S3Upstream
+from proxy.upstream.cloud import CloudUpstream
 from proxy.upstream.redirects import RedirectPolicy
 from shardcache.errors import (
     StoreUnusable,
@@ -106,9 +108,19 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
             retries=settings.retries,
             backoff=settings.retry_backoff,
         )
+    cloud = None
+    if any(u.base.startswith(("gs://", "az://")) for u in settings.upstreams):
+        cloud = CloudUpstream(
+            gcs_endpoint_url=settings.gcs_endpoint_url,
+            azure_endpoint_url=settings.azure_endpoint_url,
+            connect_timeout=settings.connect_timeout,
+            read_timeout=settings.read_timeout,
+            max_connections=max(64, 2 * settings.parallel),
+        )
     front = S3Front(
         buckets={u.name: u.base for u in settings.upstreams if u.name},
         s3=s3,
+        cloud=cloud,
         access_key=settings.s3_front_access_key,
         secret_key=settings.s3_front_secret_key,
         region=settings.s3_region or "us-east-1",
@@ -125,6 +137,7 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
     app = web.Application(middlewares=[_observe, front.middleware], client_max_size=4 << 20)
     app.on_response_prepare.append(front.on_prepare)
     app[S3_CLIENT] = s3
+    app[CLOUD_CLIENT] = cloud
     app[SETTINGS] = settings
     app[METRICS] = ProxyMetrics()
     app[RUNTIME] = Runtime(sendfile=sendfile)
@@ -205,6 +218,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         http_parts=s.http_parts,
         threaded=s.http_transport == "threads",
         s3=app[S3_CLIENT],  # type: ignore[arg-type]
+        cloud=app[CLOUD_CLIENT],  # type: ignore[arg-type]
         redirects=RedirectPolicy(hosts=s.redirect_hosts, max_hops=s.max_redirects),
         credentials=Credentials(
             {

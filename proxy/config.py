@@ -286,9 +286,19 @@ def _parse_upstream(value: str) -> Upstream:
         if parts.query or parts.fragment:
             raise ValueError(f"{value!r}: no query or fragment allowed")
         return Upstream(name, url.rstrip("/"))
+    if parts.scheme in ("gs", "az"):
+        from proxy.upstream.cloudurl import parse_cloud_url
+
+        try:
+            parse_cloud_url(url)
+        except BadRequest as exc:
+            raise ValueError(str(exc)) from None
+        if parts.query or parts.fragment:
+            raise ValueError(f"{value!r}: no query or fragment allowed")
+        return Upstream(name, url.rstrip("/"))
     if parts.scheme not in ("http", "https", "file"):
         raise ValueError(
-            f"{value!r}: scheme must be http, https, file or s3 (got {parts.scheme!r})"
+            f"{value!r}: scheme must be http, https, file, s3, gs or az (got {parts.scheme!r})"
         )
     if parts.scheme in ("http", "https") and not parts.hostname:
         raise ValueError(f"{value!r}: no host")
@@ -309,6 +319,8 @@ def _upstreams(values: list[str]) -> tuple[Upstream, ...]:
         raise ValueError(f"upstream name used twice: {sorted(dup)[0]}")
     if any(u.base.startswith("s3://") for u in upstreams) and not _have("aiobotocore"):
         raise ValueError(f"s3:// upstreams need aiobotocore: {S3_EXTRA_HINT}")
+    if any(u.base.startswith(("gs://", "az://")) for u in upstreams) and not _have("obstore"):
+        raise ValueError("gs:// and az:// upstreams need obstore: pip install '.[cloud]'")
     return upstreams
 
 
@@ -357,7 +369,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "upstreams",
         (),
-        "upstream base URL (http, https, file, s3); NAME=URL mounts it under /NAME/; repeatable",
+        "upstream base URL (http, https, file, s3, gs, az); NAME=URL mounts it under /NAME/; repeatable",
         _upstreams,
         flag="--upstream",
         env=ENV_PREFIX + "UPSTREAM",
@@ -575,6 +587,21 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("s3_region", None, "S3 region", none_means="from the AWS config"),
     Setting("s3_profile", None, "AWS shared-config profile for s3:// upstreams"),
+    Setting(
+        "gcs_endpoint_url",
+        None,
+        "Google Cloud Storage endpoint for gs:// upstreams (an emulator)",
+        _http_url,
+        none_means="storage.googleapis.com",
+    ),
+    Setting(
+        "azure_endpoint_url",
+        None,
+        "Azure Blob endpoint for az:// upstreams; {account} stands for the URL's account "
+        "(Azurite: http://127.0.0.1:10000/{account})",
+        _http_url,
+        none_means="https://{account}.blob.core.windows.net",
+    ),
     Setting("s3_front_access_key", None, "access key S3 clients must sign with"),
     Setting("s3_front_secret_key", None, "secret key S3 clients must sign with"),
     Setting(
@@ -653,6 +680,8 @@ class Settings:
     s3_endpoint_url: str | None = DEFAULTS["s3_endpoint_url"]
     s3_region: str | None = DEFAULTS["s3_region"]
     s3_profile: str | None = DEFAULTS["s3_profile"]
+    gcs_endpoint_url: str | None = DEFAULTS["gcs_endpoint_url"]
+    azure_endpoint_url: str | None = DEFAULTS["azure_endpoint_url"]
     s3_front_access_key: str | None = DEFAULTS["s3_front_access_key"]
     s3_front_secret_key: str | None = DEFAULTS["s3_front_secret_key"]
     s3_domains: tuple[str, ...] = DEFAULTS["s3_domains"]

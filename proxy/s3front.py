@@ -38,6 +38,8 @@ from xml.etree import ElementTree as ET
 from aiohttp import web
 from yarl import URL
 
+from proxy.upstream.cloud import CloudUpstream
+from proxy.upstream.cloudurl import parse_cloud_url
 from proxy.upstream.errors import PassedAnswer, botocore_error
 from proxy.upstream.s3 import S3Upstream
 from proxy.upstream.s3url import join_key, parse_s3_url
@@ -506,6 +508,7 @@ class S3Front:
 
     buckets: Mapping[str, str]
     s3: S3Upstream | None = None
+    cloud: CloudUpstream | None = None  # lists gs:// and az:// buckets
     domains: Sequence[str] = ("localhost",)  # virtual-hosted style: BUCKET.DOMAIN
     catch_all: bool = False  # an unnamed upstream maps every other path
     access_key: str | None = None
@@ -768,6 +771,8 @@ class S3Front:
         """ListObjects (V1) or ListObjectsV2 of a front bucket, from the upstream
         bucket's ListObjectsV2."""
         base = self.buckets[bucket]
+        if base.startswith(("gs://", "az://")):
+            return await self._list_cloud(bucket, base, query, headers, v1)
         if not base.startswith("s3://"):
             raise S3Error(501, "NotImplemented", f"bucket {bucket} is not backed by S3")
         if self.s3 is None:
@@ -777,6 +782,19 @@ class S3Front:
         params = list_params(query, base_prefix, v1)
         await self.s3.ensure_started()
         result = await self.s3.list_objects_v2(loc.bucket, **params)
+        body = render_list(bucket, query, result, base_prefix, v1)
+        return web.Response(body=body, content_type="application/xml", headers=headers)
+
+    async def _list_cloud(
+        self, bucket: str, base: str, query: Mapping[str, str], headers: dict[str, str], v1: bool
+    ) -> web.Response:
+        """:meth:`_list` of a front bucket backed by a GCS bucket or an Azure container."""
+        if self.cloud is None:
+            raise S3Error(503, "ServiceUnavailable", "the GCS/Azure client is not running")
+        loc = parse_cloud_url(base)
+        base_prefix = join_key(loc.key, "") if loc.key.strip("/") else ""
+        params = list_params(query, base_prefix, v1)
+        result = await self.cloud.list_objects_v2(loc.store_url, **params)
         body = render_list(bucket, query, result, base_prefix, v1)
         return web.Response(body=body, content_type="application/xml", headers=headers)
 

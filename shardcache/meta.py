@@ -94,6 +94,9 @@ NOT_STORED = frozenset(
         "x-cache",
         "x-amz-request-id",
         "x-amz-id-2",
+        "x-ms-request-id",  # Azure's and GCS's per-request ids
+        "x-ms-client-request-id",
+        "x-guploader-uploadid",
     }
 )
 # Header fields that describe the whole body's bytes: true of a 200, wrong on a 206.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import re
 import socket
 import ssl
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ __all__ = [
     "UpstreamRedirect",
     "botocore_error",
     "aiohttp_error",
+    "cloud_error",
+    "cloud_status_error",
     "file_error",
     "s3_error",
     "socket_error",
@@ -244,6 +247,97 @@ def botocore_error(url: str, exc: BaseException, *, body: bool) -> ProxyError:
             return UpstreamCut(f"{url}: S3 body broke off: {_describe(exc)}")
         return UpstreamError(f"{url}: cannot reach S3: {_describe(exc)}")
     raise exc
+
+
+# -- GCS and Azure Blob (obstore) ------------------------------------------------------
+
+CLOUD_CREDENTIALS_HINT = {
+    "gs": "check the Google credentials (GOOGLE_APPLICATION_CREDENTIALS, the gcloud "
+    "application-default credentials, the metadata server / workload identity; "
+    "GOOGLE_SKIP_SIGNATURE=true for public buckets) and that they may read this bucket",
+    "az": "check the Azure credentials (AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_TOKEN, "
+    "AZURE_STORAGE_CONNECTION_STRING, AZURE_CLIENT_ID/AZURE_TENANT_ID with "
+    "AZURE_FEDERATED_TOKEN_FILE or AZURE_CLIENT_SECRET, managed identity) and that they "
+    "may read this container",
+}
+_CLOUD_NAMES = {"gs": "GCS", "az": "Azure Blob"}
+
+# obstore's exception classes by name (its module is imported only with a gs:// or az://
+# upstream), then the HTTP status its generic errors quote
+_CLOUD_CLASSES: dict[str, type[ProxyError]] = {
+    "NotFoundError": NotFound,
+    "FileNotFoundError": NotFound,
+    "PermissionDeniedError": Forbidden,
+    "UnauthenticatedError": Forbidden,
+    "PreconditionError": ObjectChanged,
+}
+_CLOUD_STATUS: dict[int, type[ProxyError]] = {
+    **_STATUS,
+    500: UpstreamThrottled,  # both providers ask clients to retry their 500s
+}
+_STATUS_IN_TEXT = re.compile(r"status code: (\d{3})")
+_QUERY_IN_TEXT = re.compile(r"\?[^\s\"']*")
+
+
+_CODE_IN_TEXT = re.compile(r"<Code>([^<]{1,100})</Code>")
+
+
+def _cloud_text(exc: BaseException) -> str:
+    """obstore's message, first line only, and the service's error code; with every URL
+    query removed: a SAS token travels in the query and must never reach a log or a
+    client (obstore writes REDACTED for such URLs itself; this holds if it did not)."""
+    full = str(exc) or type(exc).__name__
+    text = full.strip().split("\n", 1)[0]
+    if text.endswith("?>"):  # an XML error document follows: keep its code
+        text = text[: text.rfind("<?xml")].rstrip(": ")
+    code = _CODE_IN_TEXT.search(full)
+    if code:
+        text += f" ({code.group(1)})"
+    return _QUERY_IN_TEXT.sub("?…", text)[:500]
+
+
+def cloud_error(url: str, scheme: str, exc: BaseException, *, body: bool) -> ProxyError:
+    """An obstore failure of a ``gs://`` (``scheme`` "gs") or ``az://`` upstream: an
+    error answer of the service, or a transport failure before or during a body."""
+    if isinstance(exc, ProxyError):
+        return exc
+    name = _CLOUD_NAMES.get(scheme, scheme)
+    text = _cloud_text(exc)
+    cls = next((_CLOUD_CLASSES[c.__name__] for c in type(exc).__mro__ if c.__name__ in
+                _CLOUD_CLASSES), None)  # fmt: skip
+    status = _STATUS_IN_TEXT.search(text)
+    if cls is None and status is not None:
+        cls = _CLOUD_STATUS.get(int(status.group(1)))
+        if cls is None and int(status.group(1)) >= 500:
+            return UpstreamError(f"{url}: {name} error ({text})")
+    timed_out = isinstance(exc, (TimeoutError, asyncio.TimeoutError)) or "timed out" in text
+    if cls is None and timed_out:
+        cls = UpstreamTimeout
+    if cls is Forbidden:
+        return Forbidden(f"{url}: {name} denied access ({text}); {CLOUD_CREDENTIALS_HINT[scheme]}")
+    if cls is NotFound:
+        return NotFound(f"{url}: not found in {name}")
+    if cls is UpstreamThrottled:
+        return UpstreamThrottled(f"{url}: {name} is throttling or unavailable ({text})")
+    if cls is not None:
+        return cls(f"{url}: {name} answered {text}")
+    if "credential" in text.lower() or "token" in text.lower():
+        # no credentials could be had (no metadata server, an unreadable key file)
+        return Forbidden(f"{url}: no {name} credentials ({text}); {CLOUD_CREDENTIALS_HINT[scheme]}")
+    if body:
+        return UpstreamCut(f"{url}: {name} body broke off: {text}")
+    return UpstreamError(f"{url}: cannot reach {name}: {text}")
+
+
+def cloud_status_error(url: str, scheme: str, status: int, code: str = "") -> ProxyError:
+    """An error answer of GCS or Azure to a presigned GET (``code``: the error
+    document's, may be empty), mapped by the same table as obstore's errors."""
+    text = f"status code: {status}" + (f" ({code})" if code else "")
+    return cloud_error(url, scheme, _CloudStatus(text), body=False)
+
+
+class _CloudStatus(Exception):
+    """An error answer, described as obstore describes one."""
 
 
 REDIRECTS = frozenset({301, 302, 303, 307, 308})

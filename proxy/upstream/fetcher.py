@@ -3,8 +3,8 @@ version" into a body stream, for every backend.
 
 Backends (one :class:`~proxy.upstream.transport.Transport` each): ``http(s)://`` in
 worker threads (:mod:`.threaded`) or on the event loop (:mod:`.aio`), ``file://``
-(:mod:`.file`), ``s3://`` (:mod:`.s3`); large objects optionally in parallel ranged parts
-(:mod:`.parts`). Verification and resuming are the same for all (:mod:`.stream`,
+(:mod:`.file`), ``s3://`` (:mod:`.s3`), ``gs://`` and ``az://`` (:mod:`.cloud`); large
+objects optionally in parallel ranged parts (:mod:`.parts`). Verification and resuming are the same for all (:mod:`.stream`,
 :mod:`.resume`); so are the errors (:mod:`.errors`).
 """
 
@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from proxy.credentials import Credentials
 from proxy.policy import ByteRange, parse_range
 from proxy.upstream.aio import AioTransport
+from proxy.upstream.cloud import CloudTransport, CloudUpstream
 from proxy.upstream.errors import (
     PASS_LIMIT,
     REDIRECTS,
@@ -111,13 +112,14 @@ class Fetcher:
         parallel: int = DEFAULTS.parallel,
         http_parts: bool = DEFAULTS.http_parts,
         s3: S3Upstream | None = None,
+        cloud: CloudUpstream | None = None,
         threaded: bool = DEFAULTS.http_transport == "threads",
         redirects: RedirectPolicy | None = None,
         credentials: Credentials | None = None,
     ) -> None:
         self.observe = observe
         self.policy = Policy(retries, retry_backoff, observe, on_bytes)
-        # Parallel ranged parts: for s3:// always, for http(s) only with http_parts (one
+        # Parallel ranged parts: for s3://, gs://, az:// always, for http(s) only with http_parts (one
         # stream keeps upstream bytes at 1x the shard; parts pay where an origin limits
         # each connection). part_size 0 or parallel 1: one stream per object.
         self.part_size = part_size
@@ -132,13 +134,18 @@ class Fetcher:
         self._s3 = (
             S3Transport(s3, threads=self._threads if threaded else None) if s3 is not None else None
         )
+        self._cloud = (
+            CloudTransport(cloud, threads=self._threads if threaded else None)
+            if cloud is not None
+            else None
+        )
         self.redirects = redirects if redirects is not None else RedirectPolicy()
         self.credentials = credentials if credentials is not None else Credentials()
         self._targets: OrderedDict[str, Target] = OrderedDict()
 
     async def close(self) -> None:
         """Close the upstream connection pools."""
-        for t in (self._aio, self._threads, self._file, self._s3):
+        for t in (self._aio, self._threads, self._file, self._s3, self._cloud):
             if t is not None:
                 await t.close()
 
@@ -149,7 +156,7 @@ class Fetcher:
         return self._parts_for(urlsplit(url).scheme.lower())
 
     def _parts_for(self, scheme: str) -> bool:
-        wanted = scheme == "s3" or (scheme in ("http", "https") and self.http_parts)
+        wanted = scheme in ("s3", "gs", "az") or (scheme in ("http", "https") and self.http_parts)
         return wanted and self.parallel > 1 and self.part_size > 0
 
     def transport(self, url: str, *, stream: bool = False) -> Transport:
@@ -172,6 +179,10 @@ class Fetcher:
             if self._s3 is None:
                 raise UpstreamError(f"{url}: no S3 client configured for s3:// upstreams")
             return self._s3
+        if scheme in ("gs", "az"):
+            if self._cloud is None:
+                raise UpstreamError(f"{url}: no client configured for {scheme}:// upstreams")
+            return self._cloud
         raise UpstreamError(f"{url}: unsupported upstream scheme {scheme!r}")
 
     async def _request(

@@ -397,6 +397,9 @@ async def parts_pump(
                 yield frontier - reported
                 reported = frontier
             if all(t.done() for t in tasks) and reported < meta.size:
+                if all(got[i] == e - s for i, (s, e) in enumerate(parts)):
+                    wake.set()  # all ended while the reader held the last batch: report them
+                    continue
                 raise UpstreamError(f"{url}: parts ended at byte {reported} of {meta.size}")
         await asyncio.gather(*tasks)
     finally:
