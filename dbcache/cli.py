@@ -124,8 +124,12 @@ ERROR_TEXT_MAX = 300  # longer error bodies are pages, not messages
 
 
 def _error_text(exc: urllib.error.HTTPError) -> str:
-    """The body of an error response when it is one short line of text (the proxy says
-    there what went wrong); "" for anything else, such as an origin's HTML error page."""
+    """What the proxy said went wrong: its ``X-Shardcache-Error`` account of an upstream
+    answer it passed on, else the body when it is one short line of text; "" for
+    anything else, such as an origin's HTML error page."""
+    said = exc.headers.get("X-Shardcache-Error") if exc.headers else None
+    if said:
+        return said.strip()[:ERROR_TEXT_MAX]
     try:
         body = exc.read(ERROR_TEXT_MAX + 1)
     except (OSError, http.client.HTTPException):

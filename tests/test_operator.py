@@ -393,7 +393,7 @@ def test_stats_against_an_origin_says_it_is_not_a_shardcache_proxy():
 
 
 def test_stats_lists_the_upstreams_without_credentials():
-    from proxy.app import _without_userinfo
+    from proxy.admin import _without_userinfo
 
     assert _without_userinfo("data=https://user:secret@h.example:8443/x") == (
         "data=https://h.example:8443/x"

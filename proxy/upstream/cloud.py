@@ -45,6 +45,7 @@ from multidict import CIMultiDict
 from proxy.upstream.cloudurl import CloudLocation, parse_cloud_url
 from proxy.upstream.errors import cloud_error, cloud_status_error
 from proxy.upstream.options import DEFAULT_OPTIONS as DEFAULTS
+from proxy.upstream.options import RetryPolicy
 from proxy.upstream.s3 import S3Response
 from proxy.upstream.stream import retrying
 from shardcache.errors import (
@@ -218,8 +219,8 @@ class CloudUpstream:
         connect_timeout: float = DEFAULTS.connect_timeout,
         read_timeout: float = DEFAULTS.read_timeout,
         max_connections: int = 64,
-        retries: int = 4,
-        backoff: float = 0.2,
+        retries: int = DEFAULTS.retries,
+        backoff: float = DEFAULTS.retry_backoff,
     ) -> None:
         self.gcs_endpoint_url = gcs_endpoint_url
         self.azure_endpoint_url = azure_endpoint_url
@@ -294,7 +295,7 @@ class CloudUpstream:
             except Exception as exc:
                 raise cloud_error(url, scheme, exc, body=False) from exc
 
-        return await retrying(once, url, retries=self.retries, backoff=self.backoff)
+        return await retrying(once, url, RetryPolicy(self.retries, self.backoff))
 
     async def head(
         self, url: str, *, if_match: str | None = None, quoted: bool = False

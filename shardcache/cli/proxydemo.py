@@ -151,7 +151,7 @@ def proxy_demo(
         total = sum(p.stat().st_size for p in paths)
         with origin(tmp_path / "shards") as (origin_url, counts):
             print(f"origin on {origin_url}", file=out)
-            with _proxy(origin_url, tmp_path / "cache", str(total * 2)) as proxy_url:
+            with _proxy(origin_url, tmp_path / "cache", f"{total * 2}B") as proxy_url:
                 print(f"proxy on {proxy_url} (cache in {tmp_path / 'cache'})", file=out)
                 urls = [
                     str(u)
