@@ -333,6 +333,20 @@ def _redirect_hosts(values: list[str] | str) -> tuple[str, ...]:
     return hosts
 
 
+# the Hugging Face Hub's API (repository info, trees, paths-info): JSON that changes when a
+# branch moves, never an object to keep (see proxy.passthrough)
+DEFAULT_UNCACHED_PATHS: tuple[str, ...] = ("api/*",)
+
+
+def _patterns(values: list[str] | str) -> tuple[str, ...]:
+    items = _split_list(values) if isinstance(values, str) else values
+    out = tuple(p.strip().lstrip("/") for p in items if p.strip())
+    for p in out:
+        if any(c in p for c in "?#\x00"):
+            raise ValueError(f"a path pattern has no query or control characters: {p!r}")
+    return out
+
+
 def _is_ip(text: str) -> bool:
     import ipaddress
 
@@ -400,6 +414,18 @@ SETTINGS: tuple[Setting, ...] = (
         many=True,
     ),
     Setting("max_redirects", 5, "upstream redirects followed for one request", _int, minimum=0),
+    Setting(
+        "uncached_paths",
+        DEFAULT_UNCACHED_PATHS,
+        "path under an upstream that is an API, not objects (a shell pattern relative to the "
+        "upstream; * crosses /): forwarded for every request with GET, HEAD or POST and "
+        "never cached; the default is the Hugging Face Hub's API; repeatable",
+        _patterns,
+        flag="--uncached-path",
+        env=ENV_PREFIX + "UNCACHED_PATHS",
+        metavar="PATTERN",
+        many=True,
+    ),
     Setting(
         "strip_signatures",
         "auto",
@@ -655,6 +681,7 @@ class Settings:
     allow_hosts: tuple[str, ...] = DEFAULTS["allow_hosts"]
     redirect_hosts: tuple[str, ...] = DEFAULTS["redirect_hosts"]
     max_redirects: int = DEFAULTS["max_redirects"]
+    uncached_paths: tuple[str, ...] = DEFAULTS["uncached_paths"]
     strip_signatures: str = DEFAULTS["strip_signatures"]
     upstream_auth: tuple[Credential, ...] = DEFAULTS["upstream_auth"]
     upstream_headers: tuple[Credential, ...] = DEFAULTS["upstream_headers"]

@@ -38,6 +38,7 @@ from proxy.context import (
 )
 from proxy.decide import Claim, Facts, Step, XCache, decide
 from proxy.inflight import Download, State
+from proxy.passthrough import is_uncached, pass_through
 from proxy.peers import (
     _forward,
 )
@@ -74,8 +75,16 @@ async def _shard(request: web.Request) -> web.StreamResponse:
             raise exc
         raise NotFound(f"no admin route {path_only}")
     if request.method not in ("GET", "HEAD"):
+        try:
+            url = map_request(raw, s.upstreams, s.allow_hosts, s.max_path_length)
+        except ProxyError:
+            url = ""
+        if url and is_uncached(url, s.upstreams, s.uncached_paths):
+            return await pass_through(request, url)  # an API, not objects
         raise MethodNotAllowed(f"method {request.method} not allowed; use GET or HEAD")
     url = map_request(raw, s.upstreams, s.allow_hosts, s.max_path_length)
+    if is_uncached(url, s.upstreams, s.uncached_paths):  # an API, not objects
+        return await pass_through(request, url)
     if path_only.endswith("/") and len(path_only) > 1:
         # a directory (listing), not a shard: forwarded with its slash, never cached
         base, sep, query = url.partition("?")

@@ -72,6 +72,7 @@ def fetch(
     method: str = "GET",
     headers: dict[str, str] | None = None,
     timeout: float = 15.0,
+    body: bytes | None = None,
 ) -> Reply:
     """One request with http.client; never raises for a broken response (see ``error``).
 
@@ -82,7 +83,7 @@ def fetch(
     t0 = time.monotonic()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        conn.request(method, path, headers=headers or {})
+        conn.request(method, path, body=body, headers=headers or {})
         resp = conn.getresponse()
         r.status = resp.status
         r.headers = {k.lower(): v for k, v in resp.getheaders()}

@@ -86,6 +86,8 @@ class Hub:
         self.hub = Server("127.0.0.1", self._hub)
         self.cdn = Server("127.0.0.2", self._cdn)
         self.evil: dict[str, str] = {}  # kind -> Location, set once the ports are known
+        self.commit = COMMIT  # the revision the API reports (tests move it)
+        self.hub_auth: list[str | None] = []  # the Authorization of each hub request
 
     def __enter__(self) -> Hub:
         self.cdn.start()
@@ -112,9 +114,12 @@ class Hub:
     async def _hub(self, request: web.Request) -> web.StreamResponse:
         path = request.path
         self.hub.log.append((request.method, path, request.headers.get("Range")))
+        self.hub_auth.append(request.headers.get("Authorization"))
         m = re.fullmatch(r"/evil/([\w-]+)", path)
         if m:
             return web.Response(status=302, headers={"Location": self.evil[m.group(1)]})
+        if path.startswith("/api/"):
+            return await self._api(request)
         m = re.fullmatch(r"/datasets/([^/]+)/([^/]+)/resolve/([^/]+)/(.+)", path)
         if not m:
             return web.Response(status=404, text="Entry not found")
@@ -133,13 +138,70 @@ class Hub:
             status=302,
             headers={
                 "Location": f"{self.cdn.url}/blob/{sha}?{query}",
-                "X-Repo-Commit": COMMIT,
+                "X-Repo-Commit": self.commit,
                 "X-Linked-Etag": f'"{sha}"',
                 "X-Linked-Size": str(len(data)),
                 "ETag": f'"{sha}"',
             },
             text="Found. Redirecting",
         )
+
+    def _entries(self, repo: str, prefix: str, recursive: bool) -> list[dict]:
+        """The Hub's tree entries (files and directories) of ``repo`` under ``prefix``."""
+        out: dict[str, dict] = {}
+        for key, data in sorted(self.files.items()):
+            org, name, file = key.split("/", 2)
+            if f"{org}/{name}" != repo or not file.startswith(prefix):
+                continue
+            rest = file[len(prefix) :]
+            if "/" in rest and not recursive:
+                sub = prefix + rest.split("/", 1)[0]
+                out.setdefault(sub, {"type": "directory", "oid": "0" * 40, "path": sub})
+                continue
+            sha = hashlib.sha256(data).hexdigest()
+            out[file] = {
+                "type": "file",
+                "oid": hashlib.sha1(data).hexdigest(),
+                "size": len(data),
+                "path": file,
+                "lfs": {"oid": sha, "size": len(data), "pointerSize": 134},
+            }
+        return list(out.values())
+
+    async def _api(self, request: web.Request) -> web.StreamResponse:
+        """The few API routes ``HfFileSystem`` uses: repo info at a revision, a tree
+        listing, and paths-info (a POST with a form body). Answers change with
+        ``self.commit`` (a branch moving), so a cache must never keep them."""
+        path = request.path
+        m = re.fullmatch(r"/api/datasets/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
+        if m and request.method == "GET":
+            repo = m.group(1)
+            files = [k.split("/", 2)[2] for k in self.files if k.startswith(repo + "/")]
+            if not files:
+                return web.json_response({"error": "Repository not found"}, status=404)
+            return web.json_response(
+                {
+                    "_id": "0" * 24,
+                    "id": repo,
+                    "sha": self.commit,
+                    "private": False,
+                    "lastModified": "2024-01-01T00:00:00.000Z",
+                    "siblings": [{"rfilename": f} for f in sorted(files)],
+                }
+            )
+        m = re.fullmatch(r"/api/datasets/([^/]+/[^/]+)/tree/([^/]+)/?(.*)", path)
+        if m and request.method == "GET":
+            repo, _rev, sub = m.groups()
+            prefix = sub.strip("/") + "/" if sub.strip("/") else ""
+            recursive = request.query.get("recursive", "").lower() in ("1", "true")
+            return web.json_response(self._entries(repo, prefix, recursive))
+        m = re.fullmatch(r"/api/datasets/([^/]+/[^/]+)/paths-info/([^/]+)", path)
+        if m and request.method == "POST":
+            form = await request.post()
+            wanted = form.getall("paths", [])
+            everything = {e["path"]: e for e in self._entries(m.group(1), "", True)}
+            return web.json_response([everything[p] for p in wanted if p in everything])
+        return web.json_response({"error": f"no API route {request.method} {path}"}, status=404)
 
     async def _cdn(self, request: web.Request) -> web.StreamResponse:
         path = request.path

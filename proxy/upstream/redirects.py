@@ -207,7 +207,12 @@ class RedirectingTransport:
         self.credentials = credentials or {}
 
     async def request(self, method: str, url: str, headers: Mapping[str, str]) -> Response:
-        known = self.targets.get(url)
+        # A target that worked is reused only by requests pinned to the version it served
+        # (a resume or a later part: If-Match / If-Range). A first request or a
+        # revalidation asks the first URL, which may lead elsewhere now (a Hub branch
+        # moved to a commit whose file is another blob).
+        pinned = any(k.lower() in ("if-match", "if-range") for k in headers)
+        known = self.targets.get(url) if pinned else None
         if known is not None and known.expires > time.monotonic():
             resp = await self._follow(method, url, known.url, headers, dict(known.carried))
             if resp.status not in EXPIRED:

@@ -1,0 +1,160 @@
+"""Paths of an upstream that are an API, not objects: forwarded as they are, never cached.
+
+The Hugging Face Hub answers its API under ``/api/`` (repository info at a revision, tree
+listings, ``paths-info``): JSON that changes whenever a branch moves. Kept as an entry it
+would freeze a repository's file list and commit forever, so ``HfFileSystem`` and
+``datasets`` streaming through a proxy set as ``HF_ENDPOINT`` would never see a new
+commit. Paths matching ``--uncached-path`` (default ``api/*``, relative to the upstream
+they map to) are therefore forwarded for every request, with GET, HEAD and POST (a
+request body of at most :data:`MAX_BODY` bytes: ``paths-info`` sends a form), and answered
+with the upstream's status, fields and body as they were (``X-Cache: BYPASS``).
+
+The rules of every upstream request hold here too: the client's end-to-end fields go on
+but not its credentials; the proxy's own credentials for the upstream go to the
+upstream's host only; redirects are followed inside the proxy to safe targets only
+(:func:`proxy.upstream.redirects.check_target`); a body cut short by the upstream breaks
+the client's connection instead of ending cleanly.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+
+from proxy.context import FETCHER, SETTINGS, T_BYTES, _abort_client
+from proxy.decide import XCache
+from proxy.policy import Upstream, end_to_end_headers, forwarded_fields
+from proxy.upstream.aio import USER_AGENT
+from proxy.upstream.redirects import check_target
+from shardcache.errors import MethodNotAllowed, ProxyError, UpstreamError
+
+__all__ = ["MAX_BODY", "METHODS", "is_uncached", "pass_through"]
+
+METHODS = ("GET", "HEAD", "POST")
+MAX_BODY = 1 << 20
+_REDIRECTS = (301, 302, 303, 307, 308)
+# framing and the fields aiohttp writes itself; the rest of the answer goes on as it was
+_NOT_PASSED = {"content-length", "transfer-encoding", "www-authenticate"}
+
+
+def upstream_path(url: str, upstreams: Sequence[Upstream]) -> str | None:
+    """``url``'s path relative to the upstream base it lies under (no query), or None."""
+    path = url.partition("?")[0].partition("#")[0]
+    best: str | None = None
+    for u in upstreams:
+        base = u.base.rstrip("/")
+        if path.startswith(base + "/") and (best is None or len(base) > len(best)):
+            best = base
+    return None if best is None else path[len(best) + 1 :]
+
+
+def is_uncached(url: str, upstreams: Sequence[Upstream], patterns: Sequence[str]) -> bool:
+    """Whether ``url`` (a mapped upstream URL) lies on a path ``patterns`` name: shell
+    patterns matched against the path relative to its upstream (``*`` crosses ``/``)."""
+    if not patterns:
+        return False
+    rel = upstream_path(url, upstreams)
+    return rel is not None and any(fnmatch.fnmatchcase(rel, p) for p in patterns)
+
+
+async def pass_through(request: web.Request, url: str) -> web.StreamResponse:
+    """Forward ``request`` to ``url`` and answer with what the upstream said."""
+    if request.method not in METHODS:
+        exc = MethodNotAllowed(
+            f"method {request.method} not allowed on an uncached path; use " + ", ".join(METHODS)
+        )
+        exc.allow = ", ".join(METHODS)  # type: ignore[attr-defined]
+        raise exc
+    body = b""
+    if request.method == "POST":
+        if request.content_length is not None and request.content_length > MAX_BODY:
+            raise ProxyError(f"request body over {MAX_BODY} bytes", 413)
+        body = await request.content.read(MAX_BODY + 1)
+        if len(body) > MAX_BODY:
+            raise ProxyError(f"request body over {MAX_BODY} bytes", 413)
+    s = request.app[SETTINGS]
+    fetcher = request.app[FETCHER]
+    origin_host = (urlsplit(url).hostname or "").lower()
+    fields = forwarded_fields(request.headers)
+    fields.pop("Content-Length", None)
+    method, target = request.method, url
+    timeout = aiohttp.ClientTimeout(sock_connect=s.connect_timeout, sock_read=s.read_timeout)
+    async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session:
+        for _hop in range(fetcher.redirects.max_hops + 1):
+            try:
+                creds = fetcher.credentials.headers_for(target) if fetcher.credentials else {}
+            except (OSError, ValueError) as exc:
+                raise UpstreamError(f"credentials for {url} cannot be read: {exc}") from None
+            headers = {
+                **fields,
+                "User-Agent": USER_AGENT,
+                "Accept-Encoding": "identity",
+                **creds,
+            }
+            try:
+                resp = await session.request(
+                    method,
+                    target,
+                    headers=headers,
+                    data=body if method == "POST" else None,
+                    allow_redirects=False,
+                )
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise UpstreamError(f"upstream {_shown(target)}: {_reason(exc)}") from None
+            location = resp.headers.get("Location")
+            if resp.status not in _REDIRECTS or not location:
+                break
+            resp.release()
+            target = check_target(target, location, origin_host, fetcher.redirects)
+            if resp.status == 303 or (resp.status in (301, 302) and method == "POST"):
+                method, body = ("HEAD" if method == "HEAD" else "GET"), b""
+        else:
+            raise UpstreamError(
+                f"upstream {_shown(url)}: more than {fetcher.redirects.max_hops} redirects"
+            )
+        async with resp:
+            return await _answer(request, resp)
+
+
+async def _answer(request: web.Request, resp: aiohttp.ClientResponse) -> web.StreamResponse:
+    status = 403 if resp.status == 401 else resp.status  # the proxy's credentials, refused
+    out = web.StreamResponse(status=status, reason=None if status != resp.status else resp.reason)
+    for k, v in end_to_end_headers(resp.headers.items()):
+        if k.lower() not in _NOT_PASSED:
+            out.headers.add(k, v)
+    out.headers["X-Cache"] = XCache.BYPASS
+    if status != resp.status:
+        out.headers["X-Shardcache-Error"] = "the upstream refused the proxy's credentials (401)"
+    length = resp.headers.get("Content-Length")
+    if request.method == "HEAD" or status in (204, 304):
+        if length is not None and length.isdigit():
+            out.content_length = int(length)
+        await out.prepare(request)
+        await out.write_eof()
+        return out
+    if length is not None and length.isdigit():
+        out.content_length = int(length)
+    await out.prepare(request)
+    try:
+        async for chunk in resp.content.iter_chunked(1 << 16):
+            await out.write(chunk)
+            request[T_BYTES] += len(chunk)
+    except (aiohttp.ClientError, TimeoutError):
+        _abort_client(request)  # a body cut short never ends cleanly
+        return out
+    await out.write_eof()
+    return out
+
+
+def _shown(url: str) -> str:
+    """``url`` without its query (signatures live there)."""
+    p = urlsplit(url)
+    return f"{p.scheme}://{p.netloc.rpartition('@')[2]}{p.path}"
+
+
+def _reason(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
