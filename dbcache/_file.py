@@ -24,7 +24,7 @@ class DBCacheError(ShardcacheError):
 
 
 FORMAT_NAME = "shardcache.dbcache"
-# 2: a sample is the columns (url, key, fields, data, payload), see dbcache._codec
+# 2: a sample is the columns (url, key, fields, data, payload), see dbcache._format
 # 3: ``fields`` lives once in the layouts table; a sample row holds its integer id
 FORMAT_VERSION = 3
 RESERVED_META = frozenset({"format", "format_version", "codec", "size"})
