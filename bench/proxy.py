@@ -423,8 +423,8 @@ if mode == "asyncio":
 elif mode == "uvloop":
     import uvloop  # noqa: F401  (fail loudly when missing)
 if chunk:
-    import proxy.cli, proxy.inflight
-    proxy.inflight.READ_CHUNK = chunk
+    import proxy.cli, proxy.inflight.download
+    proxy.inflight.download.READ_CHUNK = chunk  # read by Download.stream
     _orig = proxy.cli.settings_from_args
     proxy.cli.settings_from_args = lambda a, e: dataclasses.replace(_orig(a, e), chunk_size=chunk)
 from shardcache.cli import main

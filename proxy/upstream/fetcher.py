@@ -15,18 +15,17 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
 from proxy.credentials import Credentials
-from proxy.policy import ByteRange, parse_range
+from proxy.policy import parse_range
 from proxy.upstream.aio import AioTransport
+from proxy.upstream.answers import RangeAnswer, Revalidation, _passable
 from proxy.upstream.cloud import CloudTransport, CloudUpstream
 from proxy.upstream.errors import (
-    PASS_LIMIT,
     REDIRECTS,
-    PassedAnswer,
     UpstreamRedirect,
     status_error,
 )
@@ -60,39 +59,6 @@ PROC_FD = os.path.isdir("/proc/self/fd")  # parts written at their offsets need 
 
 def _noop(outcome: str) -> None:
     pass
-
-
-async def _passable(resp: Response, method: str) -> PassedAnswer | None:
-    """``resp`` (an answer the proxy does not serve as the object) as it can be passed
-    on to the client: with its whole body when that is at most PASS_LIMIT bytes and
-    arrives intact; None otherwise (the client then gets the proxy's own message)."""
-    fields = origin_headers(resp.headers)
-    if resp.headers.get("Content-Type"):
-        fields += (("Content-Type", resp.headers["Content-Type"]),)
-    if resp.status == 206 and resp.headers.get("Content-Range"):
-        fields += (("Content-Range", resp.headers["Content-Range"]),)
-    body = b""
-    if method != "HEAD" and resp.status not in (204, 304):
-        try:
-            async for chunk in resp.chunks():
-                body += chunk
-                if len(body) > PASS_LIMIT:
-                    return None
-        except ProxyError:
-            return None  # broken: never passed on as if complete
-    return PassedAnswer(resp.status, resp.reason or "", fields, body)
-
-
-@dataclass
-class RangeAnswer:
-    """A client's range answered straight from the upstream: the object's version, the
-    range (None when the upstream ignored Range and sent the whole object, which the
-    caller slices to ``wanted``), and the body."""
-
-    meta: ObjectMeta
-    brange: ByteRange | None
-    wanted: ByteRange
-    body: UpstreamBody
 
 
 class Fetcher:
@@ -538,12 +504,3 @@ class Fetcher:
         # the new version in one stream: this answer is a whole 200, not a first part
         one_stream = replace(got, accept_ranges=False)
         return Revalidation("changed", got.fields, self._body(url, resp, one_stream))
-
-
-@dataclass
-class Revalidation:
-    """What the upstream said of a cached version (see :meth:`Fetcher.revalidate`)."""
-
-    result: str  # "fresh", "changed" or "gone"
-    fields: tuple[tuple[str, str], ...] = ()
-    body: UpstreamBody | None = None
