@@ -61,8 +61,13 @@ def proxy(origin, tmp_path):
 )
 def test_status_and_body_are_passed_on(origin, proxy, status):
     body = f"<html>the origin's own page for {status}</html>".encode()
+    validators = {"ETag": '"e1"', "Last-Modified": "Mon, 01 Jan 2024 00:00:00 GMT"}
     origin.script["/s.tar"] = [
-        (status, {"Content-Type": "text/html; charset=utf-8", "X-Origin": "yes"}, body)
+        (
+            status,
+            {"Content-Type": "text/html; charset=utf-8", "X-Origin": "yes", **validators},
+            body,
+        )
     ]
     for _ in range(2):  # never cached: each request asks again
         r = fetch(proxy.port, "/s.tar")
@@ -70,6 +75,8 @@ def test_status_and_body_are_passed_on(origin, proxy, status):
         assert r.body == body and r.clean
         assert r.headers.get("content-type") == "text/html; charset=utf-8"
         assert r.headers.get("x-origin") == "yes"
+        assert r.headers.get("etag") == validators["ETag"]  # its own validators too
+        assert r.headers.get("last-modified") == validators["Last-Modified"]
         assert "x-shardcache-error" in r.headers
         settle(proxy)
     assert origin.count["/s.tar"] == 2

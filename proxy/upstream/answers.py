@@ -22,6 +22,9 @@ async def _passable(resp: Response, method: str) -> PassedAnswer | None:
     on to the client: with its whole body when that is at most PASS_LIMIT bytes and
     arrives intact; None otherwise (the client then gets the proxy's own message)."""
     fields = origin_headers(resp.headers)
+    for name in ("ETag", "Last-Modified"):  # the answer's own validators, as it sent them
+        if resp.headers.get(name):
+            fields += ((name, resp.headers[name]),)
     if resp.headers.get("Content-Type"):
         fields += (("Content-Type", resp.headers["Content-Type"]),)
     if resp.status == 206 and resp.headers.get("Content-Range"):
