@@ -93,7 +93,9 @@ async def test_root_redirects_to_the_page_and_the_page_is_served_with_its_header
         assert 'src="/-/static/' in m.group(1) and not m.group(2).strip(), m.group(0)
     assert not re.search(r"<style|\sstyle=|\son[a-z]+=", html, re.I)
     refs = re.findall(r'(?:src|href)="([^"]*)"', html)
-    assert refs and all(ref.startswith("/-/static/") for ref in refs), refs
+    # an icon of its own: a browser's /favicon.ico would be a shard request to the upstream
+    assert '<link rel="icon" href="data:,">' in html
+    assert all(ref.startswith("/-/static/") for ref in refs if ref != "data:,"), refs
     for name, ctype in statuspage.STATIC_FILES.items():
         if name == "index.html":
             continue
@@ -298,3 +300,17 @@ async def test_entries_of_an_empty_new_cache(proxy):
     async with c.get("/-/entries") as r:
         body = await r.json()
     assert body["largest"] == [] and body["hottest"] == []
+
+
+async def test_with_named_upstreams_the_page_is_at_its_own_path(proxy, origin):
+    """With named upstreams (the S3 front's buckets) ``/`` stays the S3 bucket list."""
+    c = await proxy(upstreams=(Upstream("data", origin.url),))
+    async with c.get("/-/") as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/html")
+    async with c.get("/-/static/status.js") as r:
+        assert r.status == 200
+    for path in ("/-/downloads", "/-/entries"):
+        async with c.get(path) as r:
+            assert r.status == 200, path
+    async with c.get("/", allow_redirects=False) as r:
+        assert r.status != 302 and "ListAllMyBucketsResult" in await r.text()

@@ -337,4 +337,74 @@ def test_status_page_shows_what_the_json_routes_say(tmp_path: Path) -> None:
     problems = [p for p in problems if "403" not in p]
     assert not problems, problems
     assert not outside, f"requests beyond loopback: {outside}"
-    assert requests_seen and rc == 0
+    assert rc == 0
+    # only the page, its files and the JSON routes: no /favicon.ico, which would be a
+    # shard request to the upstream
+    paths = {urllib.parse.urlsplit(u).path for u in requests_seen}
+    page_paths = {"/", "/-/", "/-/stats", "/-/plans", "/-/downloads", "/-/entries", "/-/cache"}
+    assert paths == page_paths | {"/-/static/status.css", "/-/static/status.js"}, paths
+
+
+def test_status_page_shows_upstream_errors_when_stats_carry_them(tmp_path: Path) -> None:
+    """``/-/stats`` may list each upstream as ``{"url", "last_error": {"reason",
+    "message", "at"}, "failures": {reason: n}}`` rather than as a string: the page shows
+    either (the richer shape is put into the proxy's real answer on its way to the page)."""
+    sync_playwright = _browser()
+    origin = Origin().start()
+    proxy = ProxyProcess(origin.url, tmp_path / "cache").start()
+    problems: list[str] = []
+    try:
+        proxy.wait_healthy()
+        base = proxy.url
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page()
+            page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.goto(base + "/-/?interval=0.5")
+            page.wait_for_function("() => Number(document.body.dataset.refreshes) >= 1")
+            cells = page.eval_on_selector_all(
+                "#upstreams tbody td", "(tds) => tds.map((td) => td.textContent)"
+            )
+            assert cells == [origin.url, "none", "none"]  # today's shape: a string each
+
+            def richer(route) -> None:
+                resp = route.fetch()
+                body = resp.json()
+                body["upstreams"] = [
+                    {
+                        "url": u,
+                        "last_error": {
+                            "reason": "timeout",
+                            "message": "<img src=x onerror=window.__pwned=1> no answer in 30 s",
+                            "at": 1764115200.0,
+                        },
+                        "failures": {"timeout": 3, "status-503": 2},
+                    }
+                    for u in body["upstreams"]
+                ]
+                route.fulfill(response=resp, json=body)
+
+            page.route("**/-/stats", richer)
+            count = page.evaluate("() => Number(document.body.dataset.refreshes)")
+            page.wait_for_function(f"() => Number(document.body.dataset.refreshes) >= {count + 2}")
+            row = page.eval_on_selector(
+                "#upstreams tbody tr",
+                "(tr) => [...tr.cells].map((td) => [td.textContent, td.dataset.failures])",
+            )
+            assert row[0] == [origin.url, None]
+            assert row[1][0] == (
+                "timeout <img src=x onerror=window.__pwned=1> no answer in 30 s2025-11-26T00:00:00Z"
+            )
+            assert row[2] == ["status-503: 2, timeout: 3", "5"]
+            assert page.evaluate(
+                "() => [window.__pwned === undefined, document.images.length]"
+            ) == [
+                True,
+                0,
+            ]
+            browser.close()
+    finally:
+        assert proxy.stop() == 0
+        origin.stop()
+    assert not problems, problems
