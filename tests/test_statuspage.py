@@ -132,6 +132,9 @@ async def test_page_requests_are_counted_with_the_proxys_own_routes(proxy, origi
         text = await r.text()
     data = [ln for ln in text.splitlines() if ln.startswith("shardcache_requests_total{")]
     assert sum(float(ln.rsplit(" ", 1)[1]) for ln in data) == 1.0, data
+    service = [ln for ln in text.splitlines() if ln.startswith("shardcache_service_requests")]
+    for route in ("status", "static", "downloads", "entries"):
+        assert any(f'route="{route}"' in ln for ln in service), (route, service)
 
 
 def test_the_page_is_package_data_of_the_installed_package():
