@@ -7,7 +7,8 @@ Where the rest lives: :mod:`proxy.context` (the application's and each request's
 :mod:`proxy.shard` (the data requests: the decision of :mod:`proxy.decide` carried out),
 :mod:`proxy.answer` (the one response path and its body sources), :mod:`proxy.peers`
 (worker-to-worker forwarding), :mod:`proxy.admin` (health, stats, prefetch, purge) and
-:mod:`proxy.plans_api` (the read plans' routes).
+:mod:`proxy.plans_api` (the read plans' routes) and :mod:`proxy.statuspage` (the live
+status page and the read-only routes it reads).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from proxy.shard import (
     _background,
     _shard,
 )
+from proxy.statuspage import add_routes as add_statuspage
 from proxy.storehealth import StoreHealth
 from proxy.thrash import ThrashWatch
 from proxy.upstream import Fetcher, S3Upstream
@@ -160,6 +162,7 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
     r.add_get("/-/plans/{id}", _plans_get)
     r.add_delete("/-/plans/{id}", _plans_delete)
     r.add_delete("/-/cache", _purge)
+    add_statuspage(app)  # /-/ (and / redirecting there), /-/downloads, /-/entries
     r.add_route("*", "/{tail:.*}", _shard)
     return app
 

@@ -66,6 +66,10 @@ ADMIN_ROUTES = {
     "/-/prefetch": "POST",
     "/-/plans": "GET, HEAD, POST",
     "/-/cache": "DELETE",
+    "/-/": "GET, HEAD",  # the status page, its files and the read-only routes it reads
+    "/-/static": "GET, HEAD",
+    "/-/downloads": "GET, HEAD",
+    "/-/entries": "GET, HEAD",
 }
 DEFAULT_TYPE = "application/octet-stream"
 

@@ -5,7 +5,8 @@ Names (all prefixed ``shardcache_``)::
     requests_total{cache,code}        data requests (shard reads) answered, by X-Cache status
                                       and HTTP code: the base of the hit ratio
     service_requests_total{route,code} requests to the proxy's own routes (metrics, healthz,
-                                      readyz, stats, prefetch, cache, s3-listing, s3-service)
+                                      readyz, stats, prefetch, cache, s3-listing, s3-service,
+                                      and the status page's: status, static, downloads, entries)
     response_bytes_total{cache}       body bytes sent to clients
     upstream_requests_total{outcome}  ok | not_found | error | timeout | resumed | aborted
     upstream_bytes_total              body bytes received from upstreams

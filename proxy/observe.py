@@ -151,5 +151,7 @@ def _service_route(request: web.Request) -> str | None:
         return "metrics"
     if path.startswith("/-/"):
         name = path[3:].partition("/")[0]
-        return name if f"/-/{name}" in ADMIN_ROUTES else "other"
+        if f"/-/{name}" not in ADMIN_ROUTES:
+            return "other"
+        return name or "status"  # /-/ is the status page
     return request.get(S3_SERVICE_ROUTE)

@@ -97,6 +97,10 @@ class Inflight:
         """Whether a download of ``url`` is under way here."""
         return self.store.key(url) in self._downloads
 
+    def in_progress(self) -> list[Download]:
+        """The downloads in progress now (a snapshot; none is acquired for the caller)."""
+        return list(self._downloads.values())
+
     def get(self, url: str) -> Download | None:
         """The running download of ``url``, already acquired for the caller, or None."""
         dl = self._downloads.get(self.store.key(url))
