@@ -275,8 +275,8 @@ class Index:
         NOT EXISTS`` (and ``CREATE INDEX IF NOT EXISTS``) statements separated by ``;``,
         run at the start of this process's next :meth:`transaction` (or
         :meth:`check_writable`, the startup check), so an index made without them gains
-        them. They are not part of the entry format: the
-        store neither reads nor migrates them, nor counts them in :data:`FORMAT_VERSION`.
+        them. They are not part of the entry format: the store neither reads nor migrates
+        them, nor counts them in :data:`FORMAT_VERSION`.
         """
         with self._lock:
             for statement in statements.split(";"):
