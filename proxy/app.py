@@ -46,6 +46,7 @@ from proxy.context import (
     Runtime,
 )
 from proxy.credentials import Credentials
+from proxy.daemonstore import DaemonStore
 from proxy.hits import HitTier
 from proxy.inflight import Download, Inflight
 from proxy.metrics import ProxyMetrics
@@ -78,7 +79,7 @@ from shardcache.errors import (
     StoreWriteError,
 )
 from shardcache.sizes import format_size
-from shardcache.store import Entry, Store, disk_full
+from shardcache.store import Entry, disk_full
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +181,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             m.evicted_unread.inc()
         thrash.evicted(entry.size, entry.hits)
 
-    def open_store() -> tuple[Store, StoreWriteError | None]:
-        st = Store(
+    def open_store() -> tuple[DaemonStore, StoreWriteError | None]:
+        st = DaemonStore(
             s.cache_dir,
             s.cache_size,
             s.eviction,

@@ -13,13 +13,13 @@ from typing import Any
 from aiohttp import web
 
 from proxy.config import Settings
+from proxy.daemonstore import DaemonStore
 from proxy.hits import HitTier
 from proxy.inflight import Inflight
 from proxy.metrics import ProxyMetrics
 from proxy.plans import Plans, Scheduler
 from proxy.storehealth import StoreHealth
 from proxy.upstream import Fetcher
-from shardcache.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Runtime:
 
 SETTINGS = web.AppKey("settings", Settings)
 METRICS = web.AppKey("metrics", ProxyMetrics)
-STORE = web.AppKey("store", Store)
+STORE = web.AppKey("store", DaemonStore)
 FETCHER = web.AppKey("fetcher", Fetcher)
 INFLIGHT = web.AppKey("inflight", Inflight)
 RUNTIME = web.AppKey("runtime", Runtime)

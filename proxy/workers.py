@@ -6,7 +6,7 @@ app, store handle and upstream pools) listening on the port with ``SO_REUSEPORT`
 kernel spreads connections over them and hits never cross a process boundary.
 
 Misses stay at one upstream GET per object: before downloading, a worker claims the
-entry in the shared index (:meth:`shardcache.store.Store.claim`). A worker that finds
+entry in the shared index (:class:`proxy.claims_table.ClaimsTable`). A worker that finds
 another worker's live claim forwards the request to that worker's private loopback port
 and streams its answer (``X-Cache: COALESCED``), so every reader follows the one
 download, with the same verification and abort rules. A claim of a dead worker is taken
@@ -39,9 +39,10 @@ import time
 import traceback
 
 from proxy.config import Settings, tls_context
+from proxy.daemonstore import DaemonStore
 from proxy.server import run_server
 from shardcache.errors import ConfigError, StoreUnusable
-from shardcache.store import Store, disk_full
+from shardcache.store import disk_full
 
 __all__ = ["serve_workers"]
 
@@ -55,7 +56,7 @@ FAST_DEATH_SECONDS = 5.0
 def _preflight(settings: Settings) -> None:
     """The checks a single process makes before listening, once, in the parent."""
     tls_context(settings)  # each worker loads its own; a bad pair stops all, here
-    store = Store(
+    store = DaemonStore(
         settings.cache_dir, settings.cache_size, settings.eviction, min_free=settings.min_free
     )
     try:

@@ -14,6 +14,7 @@ CacheStream on a miss.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -413,18 +414,23 @@ def open_cached(
 ) -> BinaryIO:
     """Open ``url`` through ``store``: the entry file on a hit, else ``opener(url)`` teed
     to the store by a :class:`CacheStream` (or only verified, when it cannot be admitted).
+
+    A hit writes nothing (:meth:`~shardcache.store.Store.open_hit`): its access counts for
+    LRU from the store's next access batch, written by the next miss, before any eviction
+    decision and when the store is closed (``cache_shards`` closes the store it opened).
     """
     say = log.info if verbose else log.debug
     label = name or url
-    entry = store.get(url)
-    if entry is not None:
-        try:
-            stream = open(entry.path, "rb")  # noqa: SIM115 - handed to the consumer
-        except FileNotFoundError:  # evicted since the lookup: a miss
-            pass
-        else:
-            say("cache hit %s (%s)", label, entry.key)
-            return stream
+    hit = store.open_hit(url)  # writes nothing: the access is recorded in memory
+    if hit is not None:
+        entry, stream = hit
+        say("cache hit %s (%s)", label, entry.key)
+        return stream
+    if store.pending_access():
+        # a miss writes to the index anyway: the hits before it go first, so processes
+        # sharing the directory evict by them too
+        with contextlib.suppress(CacheError):
+            store.flush_access()
     source = opener(url)
     try:
         size = stream_length(source)

@@ -378,3 +378,58 @@ def test_several_processes_share_one_cache_dir(tmp_path):
     for entry in store.entries():
         assert entry.path.read_bytes() == files[entry.url.split("/", 3)[3]]
     assert leftovers(cache_dir) == []
+
+
+def test_a_library_hit_writes_nothing_and_counts_for_lru_from_the_batch(tmp_path):
+    """A hit through ``open_cached`` records its access in memory, with no write to the
+    index; the access is written by the next miss (before its eviction decision, so the
+    entry just read is not the victim) and on close, where every process sees it."""
+    from shardcache.cachestream import open_cached
+
+    src = tmp_path / "src"
+    src.mkdir()
+    data = {n: bytes([i + 1]) * 1000 for i, n in enumerate("abcd")}
+    for n, d in data.items():
+        (src / n).write_bytes(d)
+    url = {n: f"http://origin.invalid/{n}.tar" for n in data}
+
+    def opener(u: str):
+        return open(src / u.rsplit("/", 1)[1].removesuffix(".tar"), "rb")
+
+    def read_through(store: Store, n: str) -> bytes:
+        stream = open_cached(store, url[n], opener)
+        try:
+            return stream.read()
+        finally:
+            if isinstance(stream, CacheStream):
+                stream.close(complete=True)
+            else:
+                stream.close()
+
+    cache = tmp_path / "cache"
+    store = Store(cache, 2000)
+    other = Store(cache, 2000, reconcile=False)  # another process's view of the index
+    assert [read_through(store, n) for n in "ab"] == [data["a"], data["b"]]  # misses
+    before = other.get(url["a"], touch=False)
+    assert before is not None and before.hits == 0
+    assert read_through(store, "a") == data["a"]  # a hit
+    after = other.get(url["a"], touch=False)
+    assert (after.hits, after.last_access) == (0, before.last_access)  # nothing written
+    assert store.pending_access() == 1
+    # a miss that must evict: the hit on a was written first, so b (read before it) goes
+    assert read_through(store, "c") == data["c"]
+    assert other.get(url["a"], touch=False).hits == 1
+    assert other.get(url["b"], touch=False) is None
+    assert sorted(e.url for e in other.entries()) == [url["a"], url["c"]]
+    # hits are written on close too
+    assert read_through(store, "c") == data["c"]
+    assert other.get(url["c"], touch=False).hits == 0
+    store.close()
+    assert other.get(url["c"], touch=False).hits == 1
+    # and a hit whose file another process removed is a miss, its row dropped
+    reopened = Store(cache, 2000)
+    os.unlink(other.entry_path(url["a"]))
+    assert read_through(reopened, "a") == data["a"]
+    assert other.get(url["a"], touch=False).hits == 0  # fetched again: a new entry
+    reopened.close()
+    other.close()

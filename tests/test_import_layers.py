@@ -231,3 +231,28 @@ def test_no_import_cycles():
     are pinned by tests/test_exported_members.py."""
     found = cycles(import_graph())
     assert not found, "\n".join(" | ".join(c) for c in found)
+
+
+# the store's parts, each importing only those before it (docs/design.md, "On-disk store")
+STORE_ORDER = (
+    "names",
+    "diskerrors",
+    "entry",
+    "index",
+    "access",
+    "space",
+    "downloads",
+    "reconcile",
+    "facade",
+)
+
+
+def test_the_stores_parts_import_only_the_parts_before_them():
+    graph = import_graph()
+    parts = {m for m in graph if m.startswith("shardcache.store.")}
+    assert parts == {f"shardcache.store.{n}" for n in STORE_ORDER}, sorted(parts)
+    for i, name in enumerate(STORE_ORDER):
+        deps = graph[f"shardcache.store.{name}"]
+        assert not deps & {f"shardcache.store.{n}" for n in STORE_ORDER[i:]}, (name, deps)
+        assert "shardcache.store" not in deps, name  # the package imports the parts
+    assert not {m for deps in (graph[p] for p in parts) for m in deps if m.startswith("proxy")}

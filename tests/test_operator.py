@@ -139,17 +139,25 @@ def test_a_body_of_unknown_length_is_cached_in_a_cache_smaller_than_the_growth_s
         origin.stop()
 
 
-def test_a_bound_lowered_by_min_free_says_so(tmp_path):
-    """A cache size beyond the filesystem is lowered to keep --min-free free: the warning
-    and the reason a download is not admitted both say so, in readable units."""
-    store = Store(tmp_path / "c", cache_size=1 << 60, min_free=0)
+@pytest.mark.parametrize("daemon", [False, True], ids=["library", "daemon"])
+def test_a_bound_lowered_by_min_free_says_so(tmp_path, daemon):
+    """A cache size beyond the filesystem is lowered to keep min_free free: the warning
+    and the reason a download is not admitted both say so, in readable units, naming the
+    setting as the library's parameter or, in the daemon, as its flag."""
+    from proxy.daemonstore import DaemonStore
+
+    opener = DaemonStore if daemon else Store
+    setting = "--min-free" if daemon else "min_free"
+    store = opener(tmp_path / "c", cache_size=1 << 60, min_free=0)
     try:
         warning = store.size_warning or ""
-        assert re.search(r"^cache size 1024\.0 PiB exceeds .* kept free by --min-free\)", warning)
+        assert re.search(rf"^cache size 1024\.0 PiB exceeds .* kept free by {setting}\)", warning)
         assert not re.search(r"\d{7,}", warning), warning  # no raw byte counts
         why = store.why_no_room(1 << 59)
         assert "exceeds the bound in force" in why and "lowered to keep" in why, why
-        assert "--min-free" in why, why
+        assert f"({setting})" in why, why
+        if not daemon:
+            assert "--" not in warning + why, (warning, why)  # no daemon flag in the library
     finally:
         store.close()
 

@@ -352,10 +352,10 @@ def test_plans_are_shared_by_the_workers_of_one_port(rig) -> None:
 
 
 def test_store_merges_plan_progress_of_several_processes(tmp_path: Path) -> None:
-    from shardcache.store import Store
+    from proxy.daemonstore import DaemonStore
 
-    a = Store(tmp_path / "c", 1 << 30)
-    b = Store(tmp_path / "c", 1 << 30)  # another process's handle of the same index
+    a = DaemonStore(tmp_path / "c", 1 << 30)
+    b = DaemonStore(tmp_path / "c", 1 << 30)  # another process's handle of the same index
     a.plan_put("p-1", '{"urls": []}', now=100.0)
     rows, docs = b.plans_sync({}, expire_before=0.0, known=set())
     assert docs == {"p-1": '{"urls": []}'} and rows["p-1"][0] == 0
@@ -375,10 +375,10 @@ def test_store_merges_plan_progress_of_several_processes(tmp_path: Path) -> None
 def test_store_replaces_and_counts_plans_in_one_transaction(tmp_path: Path) -> None:
     """Several processes register at once: the count and the replacement are decided by
     the index, never by a process's possibly stale view."""
-    from shardcache.store import Store
+    from proxy.daemonstore import DaemonStore
 
-    a = Store(tmp_path / "c", 1 << 30)
-    b = Store(tmp_path / "c", 1 << 30)  # another process's handle of the same index
+    a = DaemonStore(tmp_path / "c", 1 << 30)
+    b = DaemonStore(tmp_path / "c", 1 << 30)  # another process's handle of the same index
 
     def doc(name: str) -> str:
         return json.dumps({"name": name, "urls": []})
@@ -575,12 +575,12 @@ def test_plan_position_with_readers_out_of_order_and_several_epochs() -> None:
 
 
 async def test_a_worker_learns_a_plan_named_by_a_request_at_once(tmp_path: Path) -> None:
+    from proxy.daemonstore import DaemonStore
     from proxy.metrics import ProxyMetrics
     from proxy.plans import Plans
-    from shardcache.store import Store
 
-    def worker() -> tuple[Store, Plans]:
-        store = Store(tmp_path / "c", 1 << 30)  # each worker's own handle of one index
+    def worker() -> tuple[DaemonStore, Plans]:
+        store = DaemonStore(tmp_path / "c", 1 << 30)  # each worker's own handle of one index
         kw = {"ttl": 600.0, "default_lookahead": 2, "max_plans": 8, "max_shards": 100}
         return store, Plans(store, ProxyMetrics(), shared=True, **kw)
 
@@ -604,15 +604,15 @@ async def test_workers_replacing_plans_at_once_stay_within_max_plans(tmp_path: P
     whichever proxy worker takes the request: the replacements interleave."""
     import asyncio
 
+    from proxy.daemonstore import DaemonStore
     from proxy.metrics import ProxyMetrics
     from proxy.plans import Plans
     from shardcache.errors import BadRequest
-    from shardcache.store import Store
 
-    stores: list[Store] = []
+    stores: list[DaemonStore] = []
 
     def worker() -> Plans:
-        store = Store(tmp_path / "c", 1 << 30)  # each worker's own handle of one index
+        store = DaemonStore(tmp_path / "c", 1 << 30)  # each worker's own handle of one index
         stores.append(store)
         kw = {"ttl": 600.0, "default_lookahead": 2, "max_plans": 2, "max_shards": 100}
         return Plans(store, ProxyMetrics(), shared=True, **kw)

@@ -554,3 +554,32 @@ def test_an_index_of_format_1_is_migrated_and_keeps_its_entries(tmp_path):
     store.remove(url)
     st = store.stats()
     assert (st["entries"], st["bytes"]) == (1, 3)  # kept by the triggers
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_leaves_its_parents_accesses_to_the_parent(tmp_path):
+    """Hits write nothing but a batch in memory; a process forked meanwhile (a DataLoader
+    worker) inherits that batch and must not write it a second time."""
+    url = "http://a.example/s.tar"
+    store = Store(tmp_path)
+    put(store, url, b"x" * 10)
+    hit = store.open_hit(url)
+    assert hit is not None
+    hit[1].close()
+    assert store.pending_access() == 1
+    pid = os.fork()
+    if pid == 0:  # the child: its own hit, then close (which flushes)
+        code = 1
+        try:
+            child_hit = store.open_hit(url)
+            if child_hit is not None and store.pending_access() == 1:
+                child_hit[1].close()
+                store.close()
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    store.close()
+    entry = Store(tmp_path).get(url, touch=False)
+    assert entry is not None and entry.hits == 2  # the parent's hit and the child's, once each

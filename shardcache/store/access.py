@@ -1,0 +1,250 @@
+"""Hits and their accesses: lookups that write nothing, accesses recorded in memory and
+written in batches.
+
+:meth:`Access.lookup` answers from an in-memory map of the entries this process has seen
+(falling back to a read-only query of the index, which never waits for a writer in WAL
+mode), and :meth:`Access.touch` records the access in memory; :meth:`Access.open_hit` is
+the two together with the entry file opened, the library's hit (``cache_shards``,
+``CachedSource``) as the daemon's. The recorded accesses reach the index in one
+transaction per :meth:`Access.flush_access` (the daemon calls it every second; the store
+on close), and before any eviction decision, so LRU order and hit counts survive a clean
+restart and a crash loses at most one batch. An entry another process evicted is found
+missing when its file is opened, and becomes a miss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import BinaryIO
+
+from shardcache.errors import CacheError
+from shardcache.store.entry import ENTRY_COLS, Entry, Memo, fields_json, row_to_entry
+from shardcache.store.index import Index
+from shardcache.store.names import INDEX_NAME, Naming, size_of
+
+log = logging.getLogger("shardcache.store")
+
+
+class Access(Index, Naming):
+    """Lookups, hits and the batches of accesses (a part of :class:`Store`)."""
+
+    _mem: Memo
+    _touched: dict[str, list]  # key -> [last_access, hits to add, validated or 0]
+    _touch_lock: threading.Lock
+    _touch_pid: int  # the process whose accesses _touched holds
+    _unreleased: dict[str, int]  # .part name -> bytes whose release the index refused
+
+    def lookup(self, url: str) -> Entry | None:
+        """The entry of ``url`` as far as this process knows, without writing anything.
+
+        Answers from memory when it can, else from one read of the index. The file may
+        still have been evicted by another process: the caller opens it and, if it is
+        missing or has another size, calls :meth:`forget` and treats the request as a miss.
+        """
+        key = self.key(url)
+        entry = self._mem.get(key)
+        if entry is not None:
+            return entry
+        try:
+            row = (
+                self._reader()
+                .execute(f"SELECT {ENTRY_COLS} FROM entries WHERE key = ?", (key,))
+                .fetchone()
+            )
+        except sqlite3.Error as exc:
+            raise CacheError(f"{self.cache_dir / INDEX_NAME}: cannot read index: {exc}") from exc
+        if row is None:
+            return None
+        entry = row_to_entry(self.cache_dir, row)
+        self._mem.put(entry)
+        return entry
+
+    def open_hit(self, url: str) -> tuple[Entry, BinaryIO] | None:
+        """The entry of ``url`` and its file opened for reading, or None (a miss).
+
+        Writes nothing: the entry comes from :meth:`lookup`, the access is recorded by
+        :meth:`touch`. A file that is gone or has another size than the index says
+        (evicted or replaced by another process) has its row dropped, as :meth:`get` does,
+        and the index is asked once more.
+        """
+        for _ in range(2):
+            entry = self.lookup(url)
+            if entry is None:
+                return None
+            try:
+                stream = open(entry.path, "rb")  # noqa: SIM115 - handed to the caller
+            except FileNotFoundError:
+                pass
+            else:
+                if os.fstat(stream.fileno()).st_size == entry.size:
+                    self.touch(entry)
+                    return entry, stream
+                stream.close()
+            self.forget(entry.key)
+            self.get(url, touch=False)  # drops the row of a missing or resized file
+            self.forget(entry.key)
+        return None
+
+    def forget(self, key: str) -> None:
+        """Drop ``key`` from memory (its file was missing or replaced): the next lookup
+        reads the index again."""
+        self._mem.pop(key, None)
+
+    def touch(self, entry: Entry, now: float | None = None) -> None:
+        """Record a hit in memory; :meth:`flush_access` writes it to the index."""
+        now = time.time() if now is None else now
+        with self._touch_lock:
+            batch = self._batch()
+            rec = batch.get(entry.key)
+            if rec is None:
+                batch[entry.key] = [now, 1, 0.0]
+            else:
+                rec[0] = now
+                rec[1] += 1
+
+    def mark_validated(self, entry: Entry, now: float | None = None) -> Entry:
+        """Record that the upstream confirmed ``entry`` (a 304) at ``now``; returns the
+        entry as this process now sees it. Written with the next access batch."""
+        now = time.time() if now is None else now
+        with self._touch_lock:
+            rec = self._batch().setdefault(entry.key, [entry.last_access, 0, 0.0])
+            rec[2] = now
+        fresh = dataclasses.replace(entry, validated=now)
+        self._mem.refresh(fresh)
+        return fresh
+
+    def update_fields(self, entry: Entry, fields: Sequence[tuple[str, str]]) -> Entry:
+        """Merge header fields the upstream sent with a 304 into the entry's stored ones
+        (RFC 9111 4.3.4: a field of the 304 replaces the stored fields of its name);
+        returns the entry as this process now sees it. The index is written only when
+        more than the Date changed."""
+        names = {k.lower() for k, _ in fields}
+        merged = tuple((k, v) for k, v in entry.fields if k.lower() not in names) + tuple(fields)
+        if merged == entry.fields:
+            return entry
+
+        def significant(fs: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+            return sorted((k.lower(), v) for k, v in fs if k.lower() != "date")
+
+        if significant(merged) != significant(entry.fields):
+            with self._tx() as conn:
+                conn.execute(
+                    "UPDATE entries SET fields = ? WHERE key = ?", (fields_json(merged), entry.key)
+                )
+        fresh = dataclasses.replace(entry, fields=merged)
+        self._mem.refresh(fresh)
+        return fresh
+
+    def pending_access(self) -> int:
+        """How many entries have accesses not yet written to the index."""
+        with self._touch_lock:
+            return len(self._batch())
+
+    def _batch(self) -> dict[str, list]:
+        """This process's accesses not yet written (call under ``_touch_lock``). A batch
+        inherited over ``fork`` is the parent's to write: a child starts its own."""
+        if self._touch_pid != os.getpid():
+            self._touched, self._touch_pid = {}, os.getpid()
+        return self._touched
+
+    def _take_touches(self) -> dict[str, list]:
+        with self._touch_lock:
+            touched = self._batch()
+            self._touched = {}
+        return touched
+
+    def _apply_touches(self, conn: sqlite3.Connection, touched: dict[str, list]) -> None:
+        for key, (last_access, hits, validated) in touched.items():
+            if validated:
+                conn.execute(
+                    "UPDATE entries SET last_access = MAX(last_access, ?), hits = hits + ?, "
+                    "validated = ? WHERE key = ?",
+                    (last_access, hits, validated, key),
+                )
+            else:
+                conn.execute(
+                    "UPDATE entries SET last_access = MAX(last_access, ?), hits = hits + ? "
+                    "WHERE key = ?",
+                    (last_access, hits, key),
+                )
+
+    def flush_access(self) -> int:
+        """Write the recorded accesses (last access, hit counts, validations) to the index
+        in one transaction. Returns how many entries were updated. On failure the batch is
+        kept for the next flush (merged with newer accesses)."""
+        touched = self._take_touches()
+        with self._touch_lock:
+            unreleased, self._unreleased = self._unreleased, {}
+        if not touched and not unreleased:
+            return 0
+        try:
+            with self._tx() as conn:
+                self._apply_touches(conn, touched)
+                for name in unreleased:
+                    conn.execute("DELETE FROM reservations WHERE name = ?", (name,))
+        except BaseException:
+            with self._touch_lock:
+                self._unreleased.update(unreleased)
+            with self._touch_lock:
+                for key, (last, hits, validated) in touched.items():
+                    rec = self._batch().setdefault(key, [last, 0, 0.0])
+                    rec[0] = max(rec[0], last)
+                    rec[1] += hits
+                    rec[2] = max(rec[2], validated)
+            raise
+        return len(touched)
+
+    def get(self, url: str, *, touch: bool = True) -> Entry | None:
+        """The entry of ``url`` if complete and its file exists with the indexed size.
+
+        A row whose file is missing or has the wrong size is dropped and None returned.
+        ``touch=True`` records the access (last_access, hits) for LRU.
+        """
+        key = self.key(url)
+        if not touch:
+            with self._lock:
+                row = (
+                    self._connect()
+                    .execute(f"SELECT {ENTRY_COLS} FROM entries WHERE key = ?", (key,))
+                    .fetchone()
+                )
+            if row is None:
+                return None
+            entry = row_to_entry(self.cache_dir, row)
+            if size_of(entry.path) == entry.size:
+                return entry
+            # Re-check under the write lock before dropping anything.
+        now = time.time()
+        bad_file: Path | None = None
+        with self._tx() as conn:
+            row = conn.execute(f"SELECT {ENTRY_COLS} FROM entries WHERE key = ?", (key,)).fetchone()
+            if row is None:
+                return None
+            entry = row_to_entry(self.cache_dir, row)
+            actual = size_of(entry.path)
+            if actual != entry.size:
+                log.warning(
+                    "cache entry %s for %s is %s, dropping it",
+                    entry.path,
+                    url,
+                    "missing" if actual is None else f"{actual} bytes, not {entry.size}",
+                )
+                conn.execute("DELETE FROM entries WHERE key = ?", (key,))
+                if actual is not None:
+                    bad_file = self._move_aside(entry.path)
+                entry = None
+            elif touch:
+                conn.execute(
+                    "UPDATE entries SET last_access = ?, hits = hits + 1 WHERE key = ?", (now, key)
+                )
+                entry = dataclasses.replace(entry, last_access=now, hits=entry.hits + 1)
+        if bad_file is not None:
+            self._unlink(bad_file)
+        return entry

@@ -1,0 +1,237 @@
+"""Downloads: a reservation and a unique ``.part`` file (:meth:`Downloads.begin`),
+more room as bytes arrive (:meth:`Downloads.grow`), and the end, either an entry
+(:meth:`Downloads.commit`: verified size, fsync, an atomic rename inside the transaction
+that records the row) or nothing (:meth:`Downloads.abort`).
+
+Commit and eviction rename under the write lock, so a file and its row change together as
+far as other processes can tell; evicted files become ``*.del`` and are unlinked after the
+transaction commits. A write the disk refuses raises
+:class:`~shardcache.errors.StoreWriteError`, naming the operation and errno.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+from shardcache.errors import CacheError, IncompleteDownloadError, NoRoomError
+from shardcache.meta import ObjectMeta
+from shardcache.store.diskerrors import store_write_error
+from shardcache.store.entry import (
+    ENTRY_INSERT,
+    Entry,
+    Partial,
+    digests_json,
+    fields_json,
+    row_to_entry,
+)
+from shardcache.store.index import Rollback
+from shardcache.store.names import HOST, part_name, size_of
+from shardcache.store.space import Space
+
+
+class Downloads(Space):
+    """Downloads in progress and their end (a part of :class:`Store`)."""
+
+    def begin(
+        self, url: str, expected_size: int | None, *, streamed: bool = True
+    ) -> Partial | None:
+        """Reserve room for a download of ``url`` and create its unique, empty ``.part`` file.
+
+        ``streamed``: a client reads this download as it arrives (False: it is fetched
+        ahead, for a reader still to come). With read plans, a streamed download of the
+        shard a reader is about to read is worth caching only for its use after that.
+
+        Evicts per policy so that entries plus all live reservations stay within
+        ``cache_size``. Returns None when the shard cannot be admitted (bigger than
+        ``cache_size``, or no room can be made, e.g. policy ``keep`` when full): the caller
+        streams it through uncached. ``expected_size=None`` reserves 0 bytes; use
+        :meth:`grow` as bytes arrive.
+        """
+        if expected_size is not None and expected_size < 0:
+            raise ValueError(f"expected_size must be >= 0, got {expected_size}")
+        key = self.key(url)
+        need = expected_size or 0
+        if need > self.cache_size:
+            return None
+        name = part_name(key)
+        path = self.cache_dir / name
+        planned = self._planned()  # outside the transaction: it may take a while
+        with self._tx() as conn:
+            dead = self._drop_dead_reservations(conn)
+            evicted = self._make_room(conn, need, incoming=key, streamed=streamed, planned=planned)
+            if evicted is not None:
+                conn.execute(
+                    "INSERT INTO reservations (name, key, url, pid, host, created, expected, "
+                    "bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        name,
+                        key,
+                        self.recorded_url(url),
+                        os.getpid(),
+                        HOST,
+                        time.time(),
+                        expected_size,
+                        need,
+                    ),
+                )
+        for p in dead:
+            self._unlink(p)
+        if evicted is None:
+            return None
+        self._finish_evictions(evicted)
+        partial = Partial(url=url, key=key, path=path, expected_size=expected_size, reserved=need)
+        try:
+            with open(path, "xb"):
+                pass
+        except OSError as exc:
+            with contextlib.suppress(CacheError):
+                self.abort(partial)
+            raise store_write_error("create", path, exc) or CacheError(
+                f"{path}: cannot create download file: {exc}"
+            ) from exc
+        return partial
+
+    def grow(self, partial: Partial, size: int) -> bool:
+        """Ensure ``size`` bytes are reserved for ``partial``, evicting as needed.
+
+        False when the download can no longer fit: the caller should :meth:`abort` it and
+        stream the rest through uncached.
+        """
+        if size <= partial.reserved:
+            return True
+        if size > self.cache_size:
+            return False
+        planned = self._planned()  # outside the transaction: it may take a while
+        with self._tx() as conn:
+            row = conn.execute(
+                "SELECT bytes FROM reservations WHERE name = ?", (partial.path.name,)
+            ).fetchone()
+            if row is None:
+                return False  # reservation was dropped (aborted or declared stale)
+            dead = self._drop_dead_reservations(conn)
+            evicted = self._make_room(
+                conn,
+                size - int(row[0]),
+                exclude=(partial.key,),
+                incoming=partial.key,
+                planned=planned,
+            )
+            if evicted is not None:
+                conn.execute(
+                    "UPDATE reservations SET bytes = ? WHERE name = ?", (size, partial.path.name)
+                )
+        for p in dead:
+            self._unlink(p)
+        if evicted is None:
+            return False
+        partial.reserved = size
+        self._finish_evictions(evicted)
+        return True
+
+    def commit(
+        self,
+        partial: Partial,
+        size: int,
+        *,
+        etag: str | None = None,
+        last_modified: str | None = None,
+        content_type: str | None = None,
+        meta: ObjectMeta | None = None,
+    ) -> Entry:
+        """Turn a finished download into an entry (its version from ``meta`` when given,
+        else from ``etag``, ``last_modified`` and ``content_type``).
+
+        Verifies that the ``.part`` file holds exactly ``size`` bytes and, when known,
+        ``expected_size``; otherwise deletes it, releases the reservation and raises
+        :class:`IncompleteDownloadError`. Then fsyncs, renames it into place atomically
+        (a concurrent committer of the same URL simply replaces it), records the row and
+        releases the reservation. Raises :class:`NoRoomError` (after discarding the
+        download) if a download of unknown size turned out too big to keep.
+        """
+        fields: tuple[tuple[str, str], ...] = ()
+        digests: tuple[tuple[str, str], ...] = ()
+        if meta is not None:
+            etag, last_modified, content_type = meta.etag, meta.last_modified, meta.content_type
+            fields, digests = meta.fields, meta.digests
+        expected = partial.expected_size if partial.expected_size is not None else size
+        actual = size_of(partial.path)
+        if actual is None or actual != size or size != expected:
+            self.abort(partial)
+            raise IncompleteDownloadError(partial.url, actual or 0, expected)
+        try:
+            fd = os.open(partial.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            with contextlib.suppress(CacheError):
+                self.abort(partial)
+            raise store_write_error("commit", partial.path, exc) or CacheError(
+                f"{partial.path}: cannot flush download: {exc}"
+            ) from exc
+        target = self.cache_dir / partial.key
+        now = time.time()
+        # the row as inserted, in ENTRY_COLS order: created, last access and validated now
+        row = (partial.key, self.recorded_url(partial.url), size, etag, last_modified)
+        row += (content_type, now, now, 0, now, fields_json(fields), digests_json(digests))
+        try:
+            with self._tx() as conn:
+                conn.execute("DELETE FROM reservations WHERE name = ?", (partial.path.name,))
+                # Replacing an entry of the same URL frees its bytes first.
+                conn.execute("DELETE FROM entries WHERE key = ?", (partial.key,))
+                evicted = self._make_room(conn, size, exclude=(partial.key,))
+                if evicted is None:
+                    raise Rollback
+                conn.execute(ENTRY_INSERT, row)
+                # last: a failed rename rolls the row back with it
+                try:
+                    os.replace(partial.path, target)
+                except OSError as exc:
+                    raise store_write_error("commit", target, exc) or CacheError(
+                        f"{target}: cannot move download into place: {exc}"
+                    ) from exc
+        except Rollback:
+            self._mem.pop(partial.key, None)
+            self.abort(partial)
+            raise NoRoomError(partial.url, size, self.cache_size) from None
+        except CacheError:
+            self._mem.pop(partial.key, None)
+            with contextlib.suppress(CacheError):
+                self.abort(partial)
+            raise
+        partial.reserved = 0
+        self._finish_evictions(evicted)
+        self._fsync_dir()
+        entry = row_to_entry(self.cache_dir, row)
+        self._mem.put(entry)
+        with self._touch_lock:
+            self._touched.pop(partial.key, None)  # accesses of a replaced entry
+        return entry
+
+    def _fsync_dir(self) -> None:
+        with contextlib.suppress(OSError):
+            fd = os.open(self.cache_dir, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def abort(self, partial: Partial) -> None:
+        """Delete the ``.part`` file (missing is fine) and release its reservation.
+
+        Idempotent.
+        """
+        self._unlink(partial.path)
+        reserved, partial.reserved = partial.reserved, 0
+        try:
+            with self._tx() as conn:
+                conn.execute("DELETE FROM reservations WHERE name = ?", (partial.path.name,))
+        except CacheError:
+            # the index cannot take the write now (disk full, read-only): never keep the
+            # space reserved for good; the next access flush releases it
+            with self._touch_lock:
+                self._unreleased[partial.path.name] = reserved
+            raise

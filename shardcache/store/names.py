@@ -1,0 +1,167 @@
+"""Names in the cache directory and the processes behind them.
+
+Layout of ``cache_dir``::
+
+    <shard_uuid(url)>                     a complete entry (bytes exactly as the upstream sent)
+    <key>.<pid>.<random>.part             a download in progress (never served as an entry)
+    <key>.<random>.del                    an evicted entry waiting to be unlinked
+    .shardcache.sqlite (+ -wal, -shm)     the index
+
+An entry's key is ``shard_uuid`` of its URL as ``key_url`` makes it (the daemon drops
+signatures there). Rows the index keeps for a process (reservations, a user's claims)
+name its pid and host: :func:`owner_gone` says when such a row may be taken over. How the
+store's messages name its settings is :class:`SettingNames`, so a program on top (the
+daemon) can have them speak of its own flags.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardcache.urls import shard_uuid
+
+log = logging.getLogger("shardcache.store")
+
+INDEX_NAME = ".shardcache.sqlite"
+PART_SUFFIX = ".part"
+DEL_SUFFIX = ".del"
+STALE_AGE = 24 * 3600.0  # a .part or reservation older than this is stale whatever its pid
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+_UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def is_uuid(name: str) -> bool:
+    """Whether ``name`` is a canonical (lower-case, hyphenated) UUID, as shard_uuid makes."""
+    return len(name) == 36 and _UUID_RE.fullmatch(name) is not None
+
+
+class PathStr:
+    """A directory entry's path, made into a Path only when a file is moved or removed."""
+
+    __slots__ = ("base", "name")
+
+    def __init__(self, base: str, name: str) -> None:
+        self.base, self.name = base, name
+
+    def __str__(self) -> str:
+        return os.path.join(self.base, self.name)
+
+    def __fspath__(self) -> str:
+        return str(self)
+
+    @property
+    def path(self) -> Path:
+        return Path(self.base, self.name)
+
+
+def size_of(path: str | os.PathLike) -> int | None:
+    """The size of the file at ``path``, None when there is none."""
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return None
+
+
+def parse_part(name: str) -> tuple[str, int] | None:
+    """``<key>.<pid>.<random>.part`` -> (key, pid), or None if not one of ours."""
+    if not name.endswith(PART_SUFFIX):
+        return None
+    parts = name[: -len(PART_SUFFIX)].split(".")
+    if len(parts) != 3 or not is_uuid(parts[0]) or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1])
+
+
+def part_name(key: str) -> str:
+    """A unique name for a download of ``key`` by this process (see :func:`parse_part`)."""
+    return f"{key}.{os.getpid()}.{secrets.token_hex(6)}{PART_SUFFIX}"
+
+
+def is_del(name: str) -> bool:
+    if not name.endswith(DEL_SUFFIX):
+        return False
+    parts = name[: -len(DEL_SUFFIX)].split(".")
+    return len(parts) == 2 and is_uuid(parts[0])
+
+
+HOST = socket.gethostname()
+
+
+def owner_gone(pid: int, host: str, created: float, now: float) -> bool:
+    """Whether a row a process wrote (``pid`` on ``host`` at ``created``) has outlived it:
+    a dead pid on this host, or older than :data:`STALE_AGE` wherever it runs."""
+    return now - created > STALE_AGE or (host == HOST and not pid_alive(pid))
+
+
+@dataclass(frozen=True)
+class SettingNames:
+    """How the store's messages name its settings: the library's parameter names by
+    default; a program that sets them from its own flags gives their names instead."""
+
+    cache_dir: str = "cache_dir"
+    min_free: str = "min_free"
+    keep: str = 'the "keep" policy'  # the policy that never evicts
+
+
+class Naming:
+    """Keys, entry paths and the file operations on entry files (a part of :class:`Store`)."""
+
+    cache_dir: Path
+    key_url: Callable[[str], str] | None
+
+    def key(self, url: str) -> str:
+        """The entry key of ``url``: ``shard_uuid`` of the full URL (as ``key_url`` makes
+        it, when set)."""
+        return shard_uuid(self.recorded_url(url))
+
+    def entry_path(self, url: str) -> Path:
+        """Where the entry of ``url`` lives (whether or not it exists)."""
+        return self.cache_dir / self.key(url)
+
+    def recorded_url(self, url: str) -> str:
+        """The URL an entry of ``url`` is keyed and recorded by (``key_url``'s, when set)."""
+        return self.key_url(url) if self.key_url is not None else url
+
+    def _move_aside(self, path: Path) -> Path | None:
+        """Rename an entry file to a unique ``.del`` name (inside a transaction)."""
+        target = path.with_name(f"{path.name}.{secrets.token_hex(6)}{DEL_SUFFIX}")
+        try:
+            os.replace(path, target)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.error("cannot move evicted cache file %s aside: %s", path, exc)
+            return path  # try to unlink it in place
+        return target
+
+    def _unlink(self, path: Path) -> bool:
+        """Delete a file (missing is fine); False, logged, when it cannot be deleted."""
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            log.error("cannot delete cache file %s: %s", path, exc)
+            return False
+        return True
