@@ -41,17 +41,35 @@ async def run_server(
 
     loop = asyncio.get_running_loop()
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=64))
+    from proxy.context import RUNTIME
+
     stop = stop or asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
     ssl_context = tls_context(settings)
     scheme = "https" if ssl_context is not None else "http"
     app = make_app(settings)
+    runtime = app[RUNTIME]
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not stop.is_set():
+            stop.set()
+        elif not runtime.hurry.is_set():
+            log.warning("%s again: stopping now, cancelling responses and downloads", sig.name)
+            runtime.hurry.set()
+
+    # a worker of --workers hears from its parent only (SIGTERM, forwarded once for each
+    # signal the parent gets): a Ctrl-C reaches the whole process group
+    for sig in (signal.SIGTERM,) if worker is not None else (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, on_signal, sig)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    # aiohttp's own wait (for the handlers, then again after cancelling them) is a
+    # fallback: the deadline below cancels what is left when the grace period ends
     runner = web.AppRunner(
-        app, access_log=None, shutdown_timeout=settings.grace_period, handle_signals=False
+        app,
+        access_log=None,
+        shutdown_timeout=settings.grace_period + CUT_SECONDS,
+        handle_signals=False,
     )
     await runner.setup()
     try:
@@ -74,8 +92,6 @@ async def run_server(
                 host, port = addr[0], addr[1]
                 log.info("shardcache serving on %s://%s:%d", scheme, host, port)
         else:
-            from proxy.app import RUNTIME
-
             peer = web.TCPSite(runner, "127.0.0.1", 0)  # plain HTTP: loopback, workers only
             await peer.start()
             sockets = peer._server.sockets if peer._server is not None else ()
@@ -86,12 +102,43 @@ async def run_server(
         sys.stderr.flush()
         await stop.wait()
         log.info(
-            "stopping: no new connections; %.0fs for responses in flight", settings.grace_period
+            "stopping: no new connections; %gs for responses and downloads in flight "
+            "(a second signal stops at once)",
+            settings.grace_period,
         )
     finally:
-        await runner.cleanup()
+        runtime.deadline = loop.time() + settings.grace_period
+        cutter = loop.create_task(_cut_at_deadline(app), name="grace period")
+        try:
+            await runner.cleanup()
+        finally:
+            cutter.cancel()
+            await asyncio.gather(cutter, return_exceptions=True)
         _ignore_further_signals(loop)
         log.info("stopped")
+
+
+CUT_SECONDS = 1.0  # past the grace period, at most this long to wind down
+
+
+async def _cut_at_deadline(app: object) -> None:
+    """When the grace period ends (or a second signal comes first), cancel the responses
+    still being sent; their downloads are cancelled next, with the same deadline
+    (:func:`proxy.app._lifecycle`), so nothing partial is committed."""
+    from proxy.context import RUNTIME
+
+    runtime = app[RUNTIME]  # type: ignore[index]
+    loop = asyncio.get_running_loop()
+    try:
+        await asyncio.wait_for(runtime.hurry.wait(), max(0.0, runtime.deadline - loop.time()))
+    except asyncio.TimeoutError:
+        runtime.hurry.set()
+    runtime.deadline = loop.time()
+    cut = [t for t in runtime.handlers if not t.done()]
+    if cut:
+        log.warning("cutting off %d responses in flight", len(cut))
+    for t in cut:
+        t.cancel("shutting down")
 
 
 def _ignore_further_signals(loop: asyncio.AbstractEventLoop) -> None:
