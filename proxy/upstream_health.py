@@ -192,9 +192,10 @@ class _Upstream:
     label: str
     failures: dict[str, int] = field(default_factory=dict)
     last_error: dict[str, Any] | None = None
-    last_error_at: float = 0.0  # monotonic
     last_ok: float | None = None  # wall clock
-    last_ok_mono: float = 0.0
+    events: int = 0  # failures and successes seen, in order
+    error_event: int = 0  # the number of the last failure among them
+    ok_event: int = 0  # ... and of the last success
     warned_at: float = float("-inf")  # monotonic time of the last WARNING line
     unwarned: int = 0  # failures since that line
 
@@ -202,7 +203,7 @@ class _Upstream:
     def state(self) -> str:
         if self.last_error is None and self.last_ok is None:
             return "unknown"
-        if self.last_error is not None and self.last_error_at >= self.last_ok_mono:
+        if self.last_error is not None and self.error_event > self.ok_event:
             return "down"
         return "up"
 
@@ -282,7 +283,8 @@ class UpstreamHealth:
         message = _message(exc)
         now = self.clock()
         rec.last_error = {"reason": reason, "message": message, "at": _iso(time.time())}
-        rec.last_error_at = now
+        rec.events += 1
+        rec.error_event = rec.events
         if self.counter is not None:
             self.counter.labels(upstream=rec.label, reason=reason).inc()
         if now - rec.warned_at >= self.interval:
@@ -302,7 +304,8 @@ class UpstreamHealth:
         rec = self._record(url)
         down = rec.state == "down"
         rec.last_ok = time.time()
-        rec.last_ok_mono = self.clock()
+        rec.events += 1
+        rec.ok_event = rec.events
         if down:
             log.info("upstream %s answers again (last error: %s)", rec.label,
                      (rec.last_error or {}).get("reason"))  # fmt: skip

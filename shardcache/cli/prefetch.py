@@ -164,11 +164,9 @@ async def prefetch_urls(
 
         async def run(url: str) -> ShardResult:
             async with sem:
-                progress.asking.add(url)
-                try:
-                    result = await _fetch_one(session, url, progress, notify)
-                finally:
-                    progress.asking.discard(url)
+                progress.asking.add(url)  # left there when Ctrl-C cancels the GET
+                result = await _fetch_one(session, url, progress, notify)
+                progress.asking.discard(url)
             progress.results.append(result)
             progress.done_shards += 1
             progress.failed += not result.ok
