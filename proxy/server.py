@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 
 from proxy.config import Settings, tls_context
@@ -43,6 +46,7 @@ async def run_server(
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=64))
     from proxy.context import RUNTIME
 
+    guard = stop is None and threading.current_thread() is threading.main_thread()
     stop = stop or asyncio.Event()
     ssl_context = tls_context(settings)
     scheme = "https" if ssl_context is not None else "http"
@@ -109,6 +113,9 @@ async def run_server(
     finally:
         runtime.deadline = loop.time() + settings.grace_period
         cutter = loop.create_task(_cut_at_deadline(app), name="grace period")
+        done = threading.Event()
+        if guard:
+            _exit_guard(runtime, done)
         try:
             await runner.cleanup()
         finally:
@@ -116,9 +123,11 @@ async def run_server(
             await asyncio.gather(cutter, return_exceptions=True)
         _ignore_further_signals(loop)
         log.info("stopped")
+        done.set()
 
 
-CUT_SECONDS = 1.0  # past the grace period, at most this long to wind down
+CUT_SECONDS = 1.0  # aiohttp's own wait past the grace period (a fallback: see below)
+EXIT_SECONDS = 0.5  # past the grace period, the process ends even if threads are blocked
 
 
 async def _cut_at_deadline(app: object) -> None:
@@ -139,6 +148,34 @@ async def _cut_at_deadline(app: object) -> None:
         log.warning("cutting off %d responses in flight", len(cut))
     for t in cut:
         t.cancel("shutting down")
+
+
+def _exit_guard(runtime: object, done: threading.Event) -> None:
+    """End the process :data:`EXIT_SECONDS` past the grace period (or past a second
+    signal) if it is still there: an upstream read blocked in a worker thread (waiting
+    for headers that never come, up to --read-timeout) would otherwise hold the exit,
+    joined by asyncio and by the thread pool at exit. By then the downloads were
+    cancelled, their partial files deleted."""
+
+    def watch() -> None:
+        while True:
+            deadline = getattr(runtime, "deadline", None)
+            left = (deadline if deadline is not None else 0.0) + EXIT_SECONDS - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(left, 0.1))
+        if done.is_set():
+            log.info("upstream reads still blocked in threads are abandoned")
+        else:
+            log.error("not stopped %.1fs past the grace period; exiting now", EXIT_SECONDS)
+        for handler in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0 if done.is_set() else 1)
+
+    threading.Thread(target=watch, name="exit guard", daemon=True).start()
 
 
 def _ignore_further_signals(loop: asyncio.AbstractEventLoop) -> None:

@@ -44,7 +44,8 @@ def _raised(make, cause: BaseException) -> BaseException:
 def test_reasons_are_a_small_fixed_set():
     url = "http://127.0.0.1:1/x.tar"
     refused = _raised(
-        lambda e: socket_error(url, e, body=False, connecting=True), ConnectionRefusedError(111, "x")
+        lambda e: socket_error(url, e, body=False, connecting=True),
+        ConnectionRefusedError(111, "x"),
     )
     assert classify(refused) == "refused"
     dns = _raised(
