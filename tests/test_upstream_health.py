@@ -154,8 +154,9 @@ def test_an_unreachable_upstream_is_reported(tmp_path):
             timeout=30,
         )
         assert out.returncode == 0, out.stderr
-        row = [line for line in out.stdout.splitlines() if line.startswith(shown)]
-        assert row and "down" in row[0] and f"refused {n + 1}" in row[0], out.stdout
+        row = [x for x in out.stdout.splitlines() if x.startswith(f"upstream_health.{shown} ")]
+        assert row and f"down: refused {n + 1}; last error " in row[0], out.stdout
+        assert "train-000000.tar?X-Amz-Signature=[REDACTED] unreachable" in row[0]
         everything = json.dumps(stats) + metrics + out.stdout + text
     finally:
         p.stop(signal.SIGTERM)

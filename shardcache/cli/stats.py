@@ -69,24 +69,24 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return 0
     health = data.get("upstream_health")
     rows = [(k, format_stat(k, v)) for k, v in flatten(data) if k != "upstream_health"]
+    if isinstance(health, list):
+        rows += [_upstream_row(u) for u in health if isinstance(u, dict)]
     print_table(f"shardcache stats: {proxy}", ["stat", "value"], rows)
-    if isinstance(health, list) and health:
-        print_table(
-            "upstreams",
-            ["upstream", "state", "failures", "last error"],
-            [_upstream_row(u) for u in health if isinstance(u, dict)],
-        )
     return 0
 
 
-def _upstream_row(u: dict[str, Any]) -> tuple[str, str, str, str]:
+def _upstream_row(u: dict[str, Any]) -> tuple[str, str]:
     """One upstream of /-/stats' ``upstream_health``: its state, its failures by reason,
     its last error with its time."""
     failures = u.get("failures") or {}
-    counted = ", ".join(f"{r} {n}" for r, n in failures.items()) or "none"
+    counted = ", ".join(f"{r} {n}" for r, n in failures.items()) or "no failures"
     error = u.get("last_error") or {}
-    last = f"{error.get('at')} {error.get('reason')}: {error.get('message')}" if error else "-"
-    return str(u.get("upstream")), str(u.get("state")), counted, last
+    last = (
+        f"; last error {error.get('at')}: {error.get('reason')}: {error.get('message')}"
+        if error
+        else ""
+    )
+    return f"upstream_health.{u.get('upstream')}", f"{u.get('state')}: {counted}{last}"
 
 
 # --------------------------------------------------------------------------- ls
