@@ -28,6 +28,7 @@ import os
 import re
 import socket
 import ssl
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -408,6 +409,35 @@ def _ended(health: UpstreamHealth, dl: Download, task: asyncio.Task) -> None:
         health.succeeded(dl.url)
 
 
+async def _resolve(host: str, port: int, timeout: float) -> str:
+    """The first address of ``host``, looked up in a thread of its own: a resolver that
+    hangs must hold neither the event loop nor, at exit, the default executor."""
+    loop = asyncio.get_running_loop()
+    found: asyncio.Future[str] = loop.create_future()
+
+    def settle(address: str | None, exc: BaseException | None) -> None:
+        if found.done():
+            return
+        if exc is not None:
+            found.set_exception(exc)
+        else:
+            found.set_result(address or host)
+
+    def work() -> None:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            result: tuple[str | None, BaseException | None] = (str(infos[0][4][0]), None)
+        except OSError as exc:
+            result = (None, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *result)
+        except RuntimeError:  # the loop is gone: nobody waits any more
+            pass
+
+    threading.Thread(target=work, name="upstream probe resolver", daemon=True).start()
+    return await asyncio.wait_for(found, timeout)
+
+
 async def probe_upstreams(
     upstreams: Sequence[Any],
     health: UpstreamHealth,
@@ -433,7 +463,7 @@ async def probe_upstreams(
         if scheme == "file":
             path = urlsplit(base).path
             if not await asyncio.to_thread(os.path.isdir, path):
-                exc = ProxyError(f"upstream {display(base)}: no directory {path}", 502)
+                exc = ProxyError(f"upstream {display(base)} unreachable: no directory {path}", 502)
                 health.failed(base, exc)
             return
         if scheme not in ("http", "https"):
@@ -445,7 +475,8 @@ async def probe_upstreams(
             return
         try:
             try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+                ip = await _resolve(host, port, timeout)
+                _, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), timeout)
             except (OSError, asyncio.TimeoutError) as exc:
                 raise ProxyError(
                     f"upstream {display(base)} cannot be reached at startup: "
