@@ -278,6 +278,8 @@ class UpstreamHealth:
             pass
         reason = classify(exc)
         if reason is None:
+            if isinstance(exc, _NOT_FAILURES):
+                self.succeeded(url)  # an answer about the object: the upstream is there
             return None
         rec = self._record(url)
         rec.failures[reason] = rec.failures.get(reason, 0) + 1

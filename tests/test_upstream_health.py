@@ -168,3 +168,65 @@ def test_an_unreachable_upstream_is_reported(tmp_path):
     assert "cannot be reached at startup" in warnings[0]
     for secret in ("pa55word", "s1gnature"):
         assert secret not in log and secret not in everything
+
+
+@pytest.fixture
+def origin():
+    from proxy_helpers import Origin
+
+    o = Origin().start()
+    yield o
+    o.stop()
+
+
+async def test_failures_after_the_body_opened_are_counted_once(aiohttp_client, tmp_path, origin):
+    """A body cut past the retries fails the download, not the fetcher's open: the
+    download's end reports it (once, however many clients followed it)."""
+    import aiohttp
+    from proxy_helpers import Fault
+
+    from proxy.app import INFLIGHT, METRICS, make_app
+    from proxy.config import Settings
+    from proxy.context import UPSTREAM_HEALTH
+
+    origin.files["cut.tar"] = b"c" * (300 << 10)
+    origin.faults["cut.tar"] = Fault(truncate_at=100 << 10, delay=0.01)
+    origin.files["err.tar"] = b"e" * 100
+    origin.faults["err.tar"] = Fault(status=500)
+    settings = Settings(
+        cache_dir=tmp_path / "cache",
+        upstreams=(Upstream(None, origin.url),),
+        cache_size=100 << 20,
+        read_timeout=5.0,
+        retries=0,
+        retry_backoff=0.01,
+    )
+    c = await aiohttp_client(make_app(settings))
+
+    async def cut() -> None:
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with c.get("/cut.tar") as r:
+                await r.read()
+
+    await asyncio.gather(cut(), cut())
+    for _ in range(200):  # the download's end is reported when its task is done
+        if not len(c.server.app[INFLIGHT]):
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    health = c.server.app[UPSTREAM_HEALTH]
+    [u] = health.snapshot()
+    assert u["failures"] == {"cut": 1} and u["state"] == "down"
+    r = await c.get("/missing.tar")  # an answer about the object: the upstream is up
+    assert r.status == 404
+    [u] = health.snapshot()
+    assert u["state"] == "up" and u["failures"] == {"cut": 1}
+    r = await c.get("/err.tar")
+    assert r.status == 500  # the upstream's answer, passed on
+    [u] = health.snapshot()
+    assert u["failures"] == {"cut": 1, "http_5xx": 1} and u["state"] == "down"
+    assert u["last_error"]["reason"] == "http_5xx"
+    m = c.server.app[METRICS].upstream_failures
+    assert m.labels(upstream=origin.url, reason="cut")._value.get() == 1
+    r = await c.get("/-/healthz")
+    assert r.status == 200 and f"upstream {origin.url}: down since" in await r.text()
