@@ -126,8 +126,8 @@ async def run_server(
         done.set()
 
 
-CUT_SECONDS = 1.0  # aiohttp's own wait past the grace period (a fallback: see below)
-EXIT_SECONDS = 0.5  # past the grace period, the process ends even if threads are blocked
+CUT_SECONDS = 1.0  # past the grace period, the most any stop may take
+EXIT_SECONDS = 0.5  # past the grace period, a stopped process ends even if threads are blocked
 
 
 async def _cut_at_deadline(app: object) -> None:
@@ -152,22 +152,24 @@ async def _cut_at_deadline(app: object) -> None:
 
 def _exit_guard(runtime: object, done: threading.Event) -> None:
     """End the process :data:`EXIT_SECONDS` past the grace period (or past a second
-    signal) if it is still there: an upstream read blocked in a worker thread (waiting
-    for headers that never come, up to --read-timeout) would otherwise hold the exit,
-    joined by asyncio and by the thread pool at exit. By then the downloads were
-    cancelled, their partial files deleted."""
+    signal) if it is still there once stopped: an upstream read blocked in a worker
+    thread (waiting for headers that never come, up to --read-timeout) would otherwise
+    hold the exit, joined by asyncio and by the thread pools at exit. By then the
+    downloads were cancelled and their partial files deleted. A stop that has not ended
+    :data:`CUT_SECONDS` past the period ends there, with status 1."""
 
     def watch() -> None:
         while True:
             deadline = getattr(runtime, "deadline", None)
-            left = (deadline if deadline is not None else 0.0) + EXIT_SECONDS - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            past = now - (deadline if deadline is not None else now)
+            if past >= CUT_SECONDS or (past >= EXIT_SECONDS and done.is_set()):
                 break
-            time.sleep(min(left, 0.1))
+            time.sleep(0.05)
         if done.is_set():
             log.info("upstream reads still blocked in threads are abandoned")
         else:
-            log.error("not stopped %.1fs past the grace period; exiting now", EXIT_SECONDS)
+            log.error("not stopped %.0fs past the grace period; exiting now", CUT_SECONDS)
         for handler in logging.getLogger().handlers:
             with contextlib.suppress(Exception):
                 handler.flush()
