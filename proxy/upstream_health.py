@@ -148,7 +148,7 @@ def classify(exc: BaseException) -> str | None:
         return "http_5xx" if status >= 500 else "http_4xx"
     if isinstance(exc, Forbidden):
         return "http_4xx"
-    lower = text.lower()
+    lower = re.sub(r"\S+://\S*", "", text).lower()  # the words, not the URLs
     for words, reason in (
         (("connection refused",), "refused"),
         (("name or service not known", "temporary failure in name resolution",

@@ -68,6 +68,9 @@ def test_reasons_are_a_small_fixed_set():
     assert classify(NotFound("no")) is None
     assert classify(asyncio.CancelledError()) is None
     assert classify(UpstreamError("something else")) == "other"
+    # the words of the error, not those of its URL
+    assert classify(UpstreamError("upstream https://ssl.example/timeout/x.tar failed")) == "other"
+    assert classify(UpstreamError(f"upstream {url}: [SSL: CERTIFICATE_VERIFY_FAILED]")) == "tls"
 
 
 def test_warnings_are_rate_limited_per_upstream(caplog):
