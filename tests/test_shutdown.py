@@ -5,12 +5,14 @@ ends a Ctrl-C with its summary and says what the proxy keeps doing."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -207,6 +209,9 @@ def test_prefetch_ctrl_c_prints_a_summary(origin, tmp_path, procs):
         time.sleep(0.5)
         pre.send_signal(signal.SIGINT)
         out, err = pre.communicate(timeout=20)
+        # what it says goes on does: the proxy still downloads the two shards
+        with urllib.request.urlopen(f"{p.url}/-/stats", timeout=10) as r:
+            assert json.load(r)["in_flight"] == 2
     finally:
         p.stop(signal.SIGKILL)
     assert pre.returncode == 130, err
