@@ -22,6 +22,7 @@ from proxy.context import (
     SCHEDULER,
     SETTINGS,
     STORE,
+    UPSTREAM_HEALTH,
     _error_response,
 )
 from proxy.policy import (
@@ -40,17 +41,26 @@ MAX_PREFETCH = 100_000
 
 async def _healthz(request: web.Request) -> web.Response:
     health = request.app.get(HEALTH)
+    upstreams = _upstream_lines(request)
     if health is None or health.writable:
-        return web.Response(text="ok\nstore: writable\n")
+        return web.Response(text="ok\nstore: writable\n" + upstreams)
     return web.Response(
         text=f"ok\nstore: not writable ({health.error}); serving from the upstream uncached\n"
+        + upstreams
     )
+
+
+def _upstream_lines(request: web.Request) -> str:
+    """A line for each upstream that is down. Neither probe fails for it: the cache
+    still serves its hits (docs/deployment.md, "Probes")."""
+    watch = request.app.get(UPSTREAM_HEALTH)
+    return watch.lines() if watch is not None else ""
 
 
 async def _readyz(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     if runtime.ready:
-        return web.Response(text="ready\n")
+        return web.Response(text="ready\n" + _upstream_lines(request))
     why = runtime.not_ready or "starting: the store is being opened"
     return _error_response(503, f"not ready: {why}")
 
@@ -91,6 +101,8 @@ async def _stats(request: web.Request) -> web.Response:
         # what the tools need to map an upstream URL to this proxy's path
         "upstreams": [_without_userinfo(str(u)) for u in request.app[SETTINGS].upstreams],
         "allow_hosts": list(request.app[SETTINGS].allow_hosts),
+        # each upstream's state, failures by reason and last error (docs/deployment.md)
+        "upstream_health": request.app[UPSTREAM_HEALTH].snapshot(),
         "pid": os.getpid(),
         "store": {
             **request.app[HEALTH].snapshot(),

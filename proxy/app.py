@@ -43,12 +43,13 @@ from proxy.context import (
     SCHEDULER,
     SETTINGS,
     STORE,
+    UPSTREAM_HEALTH,
     Runtime,
 )
 from proxy.credentials import Credentials
 from proxy.daemonstore import DaemonStore
 from proxy.hits import HitTier
-from proxy.inflight import Download, Inflight
+from proxy.inflight import Download
 from proxy.metrics import ProxyMetrics
 from proxy.observe import (
     _observe,
@@ -71,9 +72,15 @@ from proxy.shard import (
 from proxy.statuspage import add_routes as add_statuspage
 from proxy.storehealth import StoreHealth
 from proxy.thrash import ThrashWatch
-from proxy.upstream import Fetcher, S3Upstream
+from proxy.upstream import S3Upstream
 from proxy.upstream.cloud import CloudUpstream
 from proxy.upstream.redirects import RedirectPolicy
+from proxy.upstream_health import (
+    UpstreamHealth,
+    WatchedFetcher,
+    WatchedInflight,
+    probe_upstreams,
+)
 from shardcache.errors import (
     StoreUnusable,
     StoreWriteError,
@@ -144,6 +151,7 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
     app[SETTINGS] = settings
     app[METRICS] = ProxyMetrics()
     app[RUNTIME] = Runtime(sendfile=sendfile)
+    app[UPSTREAM_HEALTH] = UpstreamHealth(settings.upstreams, app[METRICS].upstream_failures)
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_on_shutdown)
     prom = make_aiohttp_handler(app[METRICS].exposed, disable_compression=True)
@@ -209,7 +217,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     health = StoreHealth(store, m, s.store_probe_interval)
     if full is not None:
         health.failed(full)
-    fetcher = Fetcher(
+    fetcher = WatchedFetcher(
         connect_timeout=s.connect_timeout,
         read_timeout=s.read_timeout,
         retries=s.retries,
@@ -231,11 +239,15 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             }
         ),
     )
+    fetcher.watch = app[UPSTREAM_HEALTH]
     app[STORE] = store
     app[FETCHER] = fetcher
     app[HEALTH] = health
     app[HITS] = HitTier(store, max_bytes=RAM_TIER_BYTES // s.workers)
-    app[INFLIGHT] = Inflight(store, fetcher, m, cache_size=store.cache_size, health=health)
+    app[INFLIGHT] = inflight = WatchedInflight(
+        store, fetcher, m, cache_size=store.cache_size, health=health
+    )
+    inflight.watch = app[UPSTREAM_HEALTH]
     app[RUNTIME].revalidating = {}
     plans = Plans(
         store,
@@ -258,6 +270,19 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     loop = asyncio.get_running_loop()
     background = loop.create_task(health.run(), name="store health")
     scheduling = loop.create_task(app[SCHEDULER].run(), name="background downloads")
+    probe = loop.create_task(
+        probe_upstreams(
+            s.upstreams,
+            app[UPSTREAM_HEALTH],
+            timeout=s.connect_timeout,
+            endpoints={
+                "s3": s.s3_endpoint_url,
+                "gs": s.gcs_endpoint_url,
+                "az": s.azure_endpoint_url,
+            },
+        ),
+        name="upstream probe",
+    )
     app[RUNTIME].scheduling = scheduling
     app[RUNTIME].ready = True
     log.info(
@@ -276,18 +301,39 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     finally:
         app[RUNTIME].ready = False
         app[RUNTIME].not_ready = "shutting down: downloads are finishing"
-        tasks = [background, scheduling]
+        tasks = [background, scheduling, probe]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         store.planner = None
-        # downloads get up to the grace period (at most 10 s) to verify and commit
-        await app[INFLIGHT].stop(finish_within=min(s.grace_period, 10.0))
+        await _stop_downloads(app)
         await fetcher.close()
         peers = app[RUNTIME].peers
         if peers is not None:
             await peers.close()
         await asyncio.to_thread(store.close)
+
+
+async def _stop_downloads(app: web.Application) -> None:
+    """Downloads get what is left of the grace period (started by the signal, shared with
+    the responses in flight; at most 10 s when there was none) to verify and commit;
+    the rest are cancelled, their partial files deleted. A second signal cancels them
+    at once."""
+    runtime = app[RUNTIME]
+    loop = asyncio.get_running_loop()
+    if runtime.deadline is None:
+        left = min(app[SETTINGS].grace_period, 10.0)
+    else:
+        left = max(0.0, runtime.deadline - loop.time())
+    inflight = app[INFLIGHT]
+    if left > 0 and len(inflight) and not runtime.hurry.is_set():
+        finishing = loop.create_task(inflight.stop(finish_within=left))
+        hurry = loop.create_task(runtime.hurry.wait())
+        await asyncio.wait({finishing, hurry}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (finishing, hurry):
+            t.cancel()
+        await asyncio.gather(finishing, hurry, return_exceptions=True)
+    await inflight.stop(finish_within=0)
 
 
 async def _on_shutdown(app: web.Application) -> None:

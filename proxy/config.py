@@ -530,7 +530,7 @@ SETTINGS: tuple[Setting, ...] = (
         _int,
         minimum=0,
     ),
-    Setting("grace_period", 30.0, "seconds to let responses finish on SIGTERM", _float, minimum=0),
+    Setting("grace_period", 30.0, "seconds in all to finish on SIGTERM/SIGINT", _float, minimum=0),
     Setting(
         "max_path_length",
         8000,

@@ -20,6 +20,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.plans import Plans, Scheduler
 from proxy.storehealth import StoreHealth
 from proxy.upstream import Fetcher
+from proxy.upstream_health import UpstreamHealth
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,11 @@ class Runtime:
     revalidating: dict[str, asyncio.Task] = field(default_factory=dict)  # url -> its revalidation
     scheduling: asyncio.Task | None = None  # the background downloads' task
     peers: Any = None  # the client session to other workers, made on first use
+    # shutting down: when the grace period ends (loop time), the requests being answered
+    # (cancelled when it ends), and the event set then or at a second signal
+    deadline: float | None = None
+    handlers: set[asyncio.Task] = field(default_factory=set)
+    hurry: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -49,6 +55,7 @@ PLANS = web.AppKey("plans", Plans)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 S3_CLIENT = web.AppKey("s3_client", object)
 CLOUD_CLIENT = web.AppKey("cloud_client", object)
+UPSTREAM_HEALTH = web.AppKey("upstream_health", UpstreamHealth)
 T_START = web.RequestKey("start", float)
 T_BYTES = web.RequestKey("bytes", int)
 T_RESP = web.RequestKey("resp", web.StreamResponse)

@@ -10,6 +10,8 @@ Names (all prefixed ``shardcache_``)::
     response_bytes_total{cache}       body bytes sent to clients
     upstream_requests_total{outcome}  ok | not_found | error | timeout | resumed | aborted
     upstream_bytes_total              body bytes received from upstreams
+    upstream_failures_total{upstream,reason}  failures of each configured upstream, by
+                                      reason (proxy/upstream_health.py: REASONS)
     upstream_extra_bytes_total{reason} ... of them fetched twice: cold_range (a cold Range
                                       beside its download), ahead (a range far ahead of it)
     cache_size_bytes                  bytes in complete entries
@@ -88,6 +90,14 @@ class ProxyMetrics:
         )
         self.upstream_bytes = Counter(
             "shardcache_upstream_bytes_total", "Body bytes received from upstreams.", registry=r
+        )
+        self.upstream_failures = Counter(
+            "shardcache_upstream_failures_total",
+            "Failures of an upstream, by configured upstream and reason (refused, dns, "
+            "tls, timeout, reset, cut, digest, throttled, http_5xx, http_4xx, "
+            "unreachable, other).",
+            ["upstream", "reason"],
+            registry=r,
         )
         self.upstream_extra_bytes = Counter(
             "shardcache_upstream_extra_bytes_total",

@@ -4,6 +4,7 @@ requests apart from the proxy's own routes, clients' wait, read plans' progress)
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -14,6 +15,7 @@ from multidict import CIMultiDict
 from proxy.context import (
     ADMIN_ROUTES,
     METRICS,
+    RUNTIME,
     T_ABORTED,
     T_BYTES,
     T_PLANS,
@@ -67,6 +69,11 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
     request[T_BYTES] = 0
     resp: web.StreamResponse | None = None
     note = ""
+    cut = False
+    task = asyncio.current_task()
+    handlers = request.app[RUNTIME].handlers
+    if task is not None:
+        handlers.add(task)  # cancelled if still running when the grace period ends
     try:
         try:
             resp = await handler(request)
@@ -90,11 +97,17 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
             resp = request.get(T_RESP)
             if resp is None:
                 raise
+        except asyncio.CancelledError:
+            # cut off at shutdown: the status already sent, or 499 when none was
+            cut, note = True, " cut-off"
+            resp = request.get(T_RESP)
+            raise
         if request.get(T_ABORTED):
             note = " aborted"
         return resp
     finally:
-        status = resp.status if resp is not None else 500
+        handlers.discard(task)  # type: ignore[arg-type]
+        status = resp.status if resp is not None else (CUT_OFF if cut else 500)
         cache = (resp.headers.get("X-Cache") if resp is not None else None) or "NONE"
         nbytes = request[T_BYTES]
         if resp is not None and not resp.prepared and isinstance(resp, web.Response):
@@ -122,6 +135,7 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
         )
 
 
+CUT_OFF = 499  # logged for a request cut off before its status was sent (as nginx does)
 PROBES = frozenset({"healthz", "readyz", "metrics"})  # logged at DEBUG when they pass
 
 

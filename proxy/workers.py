@@ -19,7 +19,8 @@ prometheus_client, and removes it on exit.
 With ``--tls-cert``/``--tls-key`` every worker serves HTTPS on the shared port (each
 loads the certificate itself); the private loopback ports stay plain HTTP.
 
-The parent forwards SIGTERM/SIGINT to the workers and waits for them to drain; a worker
+The parent forwards SIGTERM/SIGINT to the workers as SIGTERM, once for each signal it
+gets (a second one makes them stop at once), and waits for them to drain; a worker
 that dies is replaced (unless workers keep dying at startup, then the parent stops).
 """
 
@@ -113,8 +114,10 @@ def _run_worker(settings: Settings, index: int, ready_fd: int) -> None:
     import asyncio
 
     code = 0
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # a Ctrl-C reaches the whole process group: the parent forwards it as SIGTERM (once
+    # for each signal, the second one stopping at once), so the worker ignores its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def ready() -> None:
         with contextlib.suppress(OSError):
@@ -161,6 +164,8 @@ def serve_workers(settings: Settings) -> int:
         nonlocal stopping
         if not stopping:
             log.info("stopping %d workers", len(children))
+        else:
+            log.info("stopping %d workers now", len(children))
         stopping = True
         for pid in list(children):
             with contextlib.suppress(ProcessLookupError):

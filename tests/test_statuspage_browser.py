@@ -20,8 +20,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -345,17 +347,32 @@ def test_status_page_shows_what_the_json_routes_say(tmp_path: Path) -> None:
     assert paths == page_paths | {"/-/static/status.css", "/-/static/status.js"}, paths
 
 
-def test_status_page_shows_upstream_errors_when_stats_carry_them(tmp_path: Path) -> None:
-    """``/-/stats`` may list each upstream as ``{"url", "last_error": {"reason",
-    "message", "at"}, "failures": {reason: n}}`` rather than as a string: the page shows
-    either (the richer shape is put into the proxy's real answer on its way to the page)."""
+def test_status_page_shows_upstream_errors(tmp_path: Path) -> None:
+    """An upstream that refuses connections shows on the page as ``/-/stats``
+    (``upstream_health``) has it: down, the reason and message, the failures by reason;
+    a message is shown as text, never as markup."""
     sync_playwright = _browser()
     origin = Origin().start()
-    proxy = ProxyProcess(origin.url, tmp_path / "cache").start()
+    with socket.socket() as s:  # a port on which nothing listens
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    down = f"down=http://127.0.0.1:{dead}/data"  # a named upstream, labelled NAME=URL
+    proxy = ProxyProcess([origin.url, down], tmp_path / "cache", ["--retries", "0"])
+    proxy.start()
     problems: list[str] = []
     try:
         proxy.wait_healthy()
         base = proxy.url
+        with urllib.request.urlopen(base + "/-/stats", timeout=10) as r:
+            assert json.loads(r.read())["upstreams"]
+        try:
+            urllib.request.urlopen(base + "/down/x.tar", timeout=30)
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 502
+        with urllib.request.urlopen(base + "/-/stats", timeout=10) as r:
+            health = {h["upstream"]: h for h in json.loads(r.read())["upstream_health"]}
+        refused = health[down]["failures"].get("refused", 0)  # the startup probe's and ours
+        assert health[down]["state"] == "down" and refused >= 1, health
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             page = browser.new_page()
@@ -363,40 +380,27 @@ def test_status_page_shows_upstream_errors_when_stats_carry_them(tmp_path: Path)
             page.on("pageerror", lambda e: problems.append(str(e)))
             page.goto(base + "/-/?interval=0.5")
             page.wait_for_function("() => Number(document.body.dataset.refreshes) >= 1")
-            cells = page.eval_on_selector_all(
-                "#upstreams tbody td", "(tds) => tds.map((td) => td.textContent)"
+            rows = page.eval_on_selector_all(
+                "#upstreams tbody tr",
+                "(trs) => trs.map((tr) => [...tr.cells].map((td) => td.textContent))",
             )
-            assert cells == [origin.url, "none", "none"]  # today's shape: a string each
+            shown = {r[0]: r for r in rows}
+            assert shown[origin.url][1:] == ["none", "none"], rows
+            row = shown[down + " (down)"]
+            assert row[1].startswith("refused ") and health[down]["last_error"]["at"] in row[1]
+            assert row[2] == f"refused: {refused}"
 
-            def richer(route) -> None:
+            def hostile(route) -> None:  # an upstream's message is text, never markup
                 resp = route.fetch()
                 body = resp.json()
-                body["upstreams"] = [
-                    {
-                        "url": u,
-                        "last_error": {
-                            "reason": "timeout",
-                            "message": "<img src=x onerror=window.__pwned=1> no answer in 30 s",
-                            "at": 1764115200.0,
-                        },
-                        "failures": {"timeout": 3, "status-503": 2},
-                    }
-                    for u in body["upstreams"]
-                ]
+                for h in body["upstream_health"]:
+                    if h["last_error"]:
+                        h["last_error"]["message"] = "<img src=x onerror=window.__pwned=1>"
                 route.fulfill(response=resp, json=body)
 
-            page.route("**/-/stats", richer)
+            page.route("**/-/stats", hostile)
             count = page.evaluate("() => Number(document.body.dataset.refreshes)")
             page.wait_for_function(f"() => Number(document.body.dataset.refreshes) >= {count + 2}")
-            row = page.eval_on_selector(
-                "#upstreams tbody tr",
-                "(tr) => [...tr.cells].map((td) => [td.textContent, td.dataset.failures])",
-            )
-            assert row[0] == [origin.url, None]
-            assert row[1][0] == (
-                "timeout <img src=x onerror=window.__pwned=1> no answer in 30 s2025-11-26T00:00:00Z"
-            )
-            assert row[2] == ["status-503: 2, timeout: 3", "5"]
             assert page.evaluate(
                 "() => [window.__pwned === undefined, document.images.length]"
             ) == [

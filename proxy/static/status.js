@@ -103,12 +103,19 @@
     setFigure("evicted-before-reuse", s.evicted_before_reuse);
     setFigure("in-flight", s.in_flight, "(" + s.in_flight + ")");
     setFigure("downloads-all", s.downloads_all_processes);
-    showUpstreams(s.upstreams || []);
+    showUpstreams(s.upstream_health, s.upstreams || []);
   }
 
-  function showUpstreams(list) {
-    // a string per upstream, or {url, last_error: {reason, message, at}, failures: {reason: n}}
-    const rows = list.map((u) => (typeof u === "string" ? { url: u } : u || {}));
+  function showUpstreams(health, names) {
+    // /-/stats "upstream_health": [{upstream, state, last_error: {reason, message, at},
+    // last_ok, failures: {reason: n}}]; without it, "upstreams" (a string each)
+    const rows = Array.isArray(health) && health.length
+      ? health.map((h) => ({
+          url: String(h.upstream) + (h.state === "down" ? " (down)" : ""),
+          last_error: h.last_error,
+          failures: h.failures,
+        }))
+      : names.map((u) => (typeof u === "string" ? { url: u } : u || {}));
     fillTable("upstreams", rows, [
       (u) => cell(u.url, "url"),
       (u) => {

@@ -64,6 +64,8 @@ class Progress:
     done_shards: int = 0
     failed: int = 0
     lengths: list[int] = field(default_factory=list)
+    results: list[ShardResult] = field(default_factory=list)  # as they end
+    asking: set[str] = field(default_factory=set)  # URLs whose GET is under way
 
     def estimated_total(self) -> int | None:
         return estimate_total(self.lengths, self.n_total)
@@ -162,7 +164,10 @@ async def prefetch_urls(
 
         async def run(url: str) -> ShardResult:
             async with sem:
+                progress.asking.add(url)  # left there when Ctrl-C cancels the GET
                 result = await _fetch_one(session, url, progress, notify)
+                progress.asking.discard(url)
+            progress.results.append(result)
             progress.done_shards += 1
             progress.failed += not result.ok
             if progress.done_shards == progress.n_total:
@@ -331,10 +336,13 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
                 rate=f"{human_bytes(p.rate())}/s",
             )
 
-        with bar:
-            results = asyncio.run(
-                prefetch_urls(urls, args.concurrency, args.timeout, show, progress)
-            )
+        try:
+            with bar:
+                results = asyncio.run(
+                    prefetch_urls(urls, args.concurrency, args.timeout, show, progress)
+                )
+        except KeyboardInterrupt:
+            return _interrupted(proxy, progress, t0)
     else:
         last = [0.0]
         interactive = err.isatty()
@@ -352,7 +360,14 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-        results = asyncio.run(prefetch_urls(urls, args.concurrency, args.timeout, show, progress))
+        try:
+            results = asyncio.run(
+                prefetch_urls(urls, args.concurrency, args.timeout, show, progress)
+            )
+        except KeyboardInterrupt:
+            if interactive and not args.quiet:
+                print(file=err)
+            return _interrupted(proxy, progress, t0)
         if interactive and not args.quiet:
             print(file=err)
 
@@ -373,6 +388,39 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
             print(f"  {r.url}: {r.error}", file=err)
         return 1
     return 0
+
+
+def _interrupted(proxy: str, progress: Progress, t0: float) -> int:
+    """After Ctrl-C: the summary of the shards that ended, and what goes on at the proxy
+    (the downloads it had started for this prefetch are not stopped by a client that
+    leaves: it keeps downloading them into its cache). Exit status 130."""
+    err = sys.stderr
+    results = list(progress.results)
+    asked = sorted(progress.asking)
+    wall = time.monotonic() - t0
+    transfer = progress.elapsed()
+    print_table(
+        f"prefetch through {proxy}, interrupted: {len(results)} of {progress.n_total} shards "
+        f"ended in {transfer:.2f} s ({wall:.2f} s with start-up)",
+        ["outcome", "shards", "bytes", "rate"],
+        summarize(results, transfer),
+        right=(1, 2, 3),
+    )
+    failed = sum(not r.ok for r in results)
+    untouched = progress.n_total - len(results) - len(asked)
+    print(
+        f"shardcache prefetch: interrupted; {len(results)} of {progress.n_total} shards done"
+        + (f" ({failed} failed)" if failed else "")
+        + f". The proxy keeps downloading the {len(asked)} shards being fetched into its "
+        f"cache (see `shardcache stats`, in_flight); the {untouched} not yet asked for are "
+        "not fetched. Run the same command again to finish: what is cached comes back as HIT.",
+        file=err,
+    )
+    for url in asked[:20]:
+        print(f"  still downloading at the proxy: {url}", file=err)
+    if len(asked) > 20:
+        print(f"  ... and {len(asked) - 20} more", file=err)
+    return 130
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -67,9 +67,26 @@ def cmd_stats(args: argparse.Namespace) -> int:
         json.dump(data, sys.stdout, indent=2, sort_keys=True)
         print()
         return 0
-    rows = [(k, format_stat(k, v)) for k, v in flatten(data)]
+    health = data.get("upstream_health")
+    rows = [(k, format_stat(k, v)) for k, v in flatten(data) if k != "upstream_health"]
+    if isinstance(health, list):
+        rows += [_upstream_row(u) for u in health if isinstance(u, dict)]
     print_table(f"shardcache stats: {proxy}", ["stat", "value"], rows)
     return 0
+
+
+def _upstream_row(u: dict[str, Any]) -> tuple[str, str]:
+    """One upstream of /-/stats' ``upstream_health``: its state, its failures by reason,
+    its last error with its time."""
+    failures = u.get("failures") or {}
+    counted = ", ".join(f"{r} {n}" for r, n in failures.items()) or "no failures"
+    error = u.get("last_error") or {}
+    last = (
+        f"; last error {error.get('at')}: {error.get('reason')}: {error.get('message')}"
+        if error
+        else ""
+    )
+    return f"upstream_health.{u.get('upstream')}", f"{u.get('state')}: {counted}{last}"
 
 
 # --------------------------------------------------------------------------- ls
