@@ -50,11 +50,13 @@ __all__ = [
     "CONFIG_FILE",
     "DEFAULTS",
     "ENV_PREFIX",
+    "GROUPS",
     "SETTINGS",
     "SIZE_UNITS",
     "Setting",
     "Settings",
     "add_serve_arguments",
+    "in_groups",
     "parse_settings",
     "settings_from_args",
     "tls_context",
@@ -68,6 +70,16 @@ SIZE_UNITS = (
     "(G = 10^9 bytes), KiB, MiB, GiB, TiB, PiB powers of 1024 (GiB = 2^30 bytes); "
     "the B and the case are optional, so 500G, 1.5T and 10MiB all work. A bound without "
     "a unit below 1 MiB (--cache-size 10) is refused as a forgotten unit; write 10B for bytes."
+)
+# The sections of ``serve --help``, docs/configuration.md and docs/shardcache.toml, in
+# order: a Setting's ``group`` is one of these keys ("" lists it with --config and -h).
+GROUPS: tuple[tuple[str, str], ...] = (
+    ("cache", "the on-disk store: where, how big, what it keeps and for how long"),
+    ("upstreams", "where shards come from, and how the proxy talks to them"),
+    ("fronts", "what clients connect to: address, TLS, the S3 front"),
+    ("admin", "admin routes, read plans and shutdown"),
+    ("performance", "processes, background downloads, ranged parts, transports"),
+    ("logging", "what the proxy logs"),
 )
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _DOMAIN_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$")
@@ -101,12 +113,15 @@ class Setting:
     required: bool = False
     none_means: str = ""  # what a default of None does, for the help
     show: Callable[[Any], str] | None = None  # how the default reads in the help
+    group: str = ""  # a key of GROUPS: where --help and the docs list it
 
     def __post_init__(self) -> None:
         if self.flag == "":
             object.__setattr__(self, "flag", "--" + self.name.replace("_", "-"))
         if self.env == "" and self.flag is not None:
             object.__setattr__(self, "env", ENV_PREFIX + self.name.upper())
+        if self.metavar is None and self.choices:
+            object.__setattr__(self, "metavar", "|".join(self.choices))
 
     def default_text(self) -> str:
         """The default as the help and the docs show it; "" when there is none."""
@@ -376,6 +391,7 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="[NAME=]URL",
         many=True,
         split_flag=False,
+        group="upstreams",
     ),
     Setting(
         "allow_hosts",
@@ -386,6 +402,7 @@ SETTINGS: tuple[Setting, ...] = (
         env=ENV_PREFIX + "ALLOW_HOST",
         metavar="HOST[:PORT]",
         many=True,
+        group="upstreams",
     ),
     Setting(
         "redirect_hosts",
@@ -398,8 +415,17 @@ SETTINGS: tuple[Setting, ...] = (
         env=ENV_PREFIX + "REDIRECT_HOSTS",
         metavar="HOST",
         many=True,
+        group="upstreams",
     ),
-    Setting("max_redirects", 5, "upstream redirects followed for one request", _int, minimum=0),
+    Setting(
+        "max_redirects",
+        5,
+        "upstream redirects followed for one request",
+        _int,
+        minimum=0,
+        metavar="N",
+        group="upstreams",
+    ),
     Setting(
         "strip_signatures",
         "auto",
@@ -408,6 +434,7 @@ SETTINGS: tuple[Setting, ...] = (
         "still uses the URL given) and anyone who can reach the proxy reads what it cached "
         "without a valid signature; auto: on when listening on loopback only",
         choices=("auto", "on", "off"),
+        group="upstreams",
     ),
     Setting(
         "upstream_auth",
@@ -419,6 +446,7 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="[NAME=]env:VAR|file:PATH",
         many=True,
         split_flag=False,
+        group="upstreams",
     ),
     Setting(
         "upstream_headers",
@@ -431,8 +459,17 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="[NAME=]HEADER:env:VAR|file:PATH",
         many=True,
         split_flag=False,
+        group="upstreams",
     ),
-    Setting("cache_dir", None, "directory of the on-disk store", _cache_dir, required=True),
+    Setting(
+        "cache_dir",
+        None,
+        "directory of the on-disk store",
+        _cache_dir,
+        required=True,
+        metavar="PATH",
+        group="cache",
+    ),
     Setting(
         "cache_size",
         100 * 1000**3,
@@ -441,9 +478,20 @@ SETTINGS: tuple[Setting, ...] = (
         parse_bound,
         minimum=1,
         show=_show_size,
+        metavar="SIZE",
+        group="cache",
     ),
-    Setting("host", "127.0.0.1", "address to listen on"),
-    Setting("port", 8080, "port to listen on; 0 picks a free one", _int, minimum=0, maximum=65535),
+    Setting("host", "127.0.0.1", "address to listen on", metavar="HOST", group="fronts"),
+    Setting(
+        "port",
+        8080,
+        "port to listen on; 0 picks a free one",
+        _int,
+        minimum=0,
+        maximum=65535,
+        metavar="PORT",
+        group="fronts",
+    ),
     Setting(
         "workers",
         1,
@@ -451,15 +499,30 @@ SETTINGS: tuple[Setting, ...] = (
         _int,
         minimum=1,
         maximum=64,
+        metavar="N",
+        group="performance",
     ),
-    Setting("admin_token", None, "bearer token required by mutating admin routes"),
-    Setting("log_level", "info", "lowest level of the messages logged", choices=LOG_LEVELS),
+    Setting(
+        "admin_token",
+        None,
+        "bearer token required by mutating admin routes",
+        metavar="TOKEN",
+        group="admin",
+    ),
+    Setting(
+        "log_level",
+        "info",
+        "lowest level of the messages logged",
+        choices=LOG_LEVELS,
+        group="logging",
+    ),
     Setting(
         "eviction",
         DEFAULT_POLICY,
         "what makes room once the cache is full: evict the least recently used or the "
         "oldest entries, or keep them all and stop admitting new ones",
         choices=EVICTION_POLICIES,
+        group="cache",
     ),
     Setting(
         "min_free",
@@ -467,6 +530,8 @@ SETTINGS: tuple[Setting, ...] = (
         "space always kept free on the cache filesystem: bytes (2G) or a percentage (10%)",
         parse_min_free,
         none_means=_min_free_default(),
+        metavar="SIZE|PERCENT",
+        group="cache",
     ),
     Setting(
         "revalidate",
@@ -475,6 +540,8 @@ SETTINGS: tuple[Setting, ...] = (
         "the upstream whether it changed",
         parse_revalidate,
         none_means="never",
+        metavar="never|always|AGE",
+        group="cache",
     ),
     Setting(
         "store_probe_interval",
@@ -482,6 +549,8 @@ SETTINGS: tuple[Setting, ...] = (
         "seconds between checks whether an unwritable store takes writes again",
         _float,
         minimum=0.05,
+        metavar="SECONDS",
+        group="cache",
     ),
     Setting(
         "connect_timeout",
@@ -489,6 +558,8 @@ SETTINGS: tuple[Setting, ...] = (
         "upstream connect timeout, seconds",
         _float,
         minimum=0.001,
+        metavar="SECONDS",
+        group="upstreams",
     ),
     Setting(
         "read_timeout",
@@ -496,6 +567,8 @@ SETTINGS: tuple[Setting, ...] = (
         "upstream idle read timeout, seconds",
         _float,
         minimum=0.001,
+        metavar="SECONDS",
+        group="upstreams",
     ),
     Setting(
         "retries",
@@ -503,8 +576,18 @@ SETTINGS: tuple[Setting, ...] = (
         "resume attempts after an upstream fails mid-body",
         _int,
         minimum=0,
+        metavar="N",
+        group="upstreams",
     ),
-    Setting("grace_period", 30.0, "seconds to let responses finish on SIGTERM", _float, minimum=0),
+    Setting(
+        "grace_period",
+        30.0,
+        "seconds to let responses finish on SIGTERM",
+        _float,
+        minimum=0,
+        metavar="SECONDS",
+        group="admin",
+    ),
     Setting(
         "max_path_length",
         8000,
@@ -512,6 +595,8 @@ SETTINGS: tuple[Setting, ...] = (
         "take 1,500 characters and more)",
         _int,
         minimum=16,
+        metavar="N",
+        group="fronts",
     ),
     Setting(
         "prefetch_concurrency",
@@ -519,6 +604,8 @@ SETTINGS: tuple[Setting, ...] = (
         "parallel background downloads for read plans and prefetch",
         _int,
         minimum=1,
+        metavar="N",
+        group="performance",
     ),
     Setting(
         "plan_ttl",
@@ -526,6 +613,8 @@ SETTINGS: tuple[Setting, ...] = (
         "seconds a read plan lives after its reader's last request",
         _float,
         minimum=1,
+        metavar="SECONDS",
+        group="admin",
     ),
     Setting(
         "plan_lookahead",
@@ -533,14 +622,26 @@ SETTINGS: tuple[Setting, ...] = (
         "shards a read plan keeps downloading ahead of its reader, at most",
         _int,
         minimum=1,
+        metavar="N",
+        group="performance",
     ),
-    Setting("max_plans", 64, "read plans registered at once, at most", _int, minimum=1),
+    Setting(
+        "max_plans",
+        64,
+        "read plans registered at once, at most",
+        _int,
+        minimum=1,
+        metavar="N",
+        group="admin",
+    ),
     Setting(
         "max_plan_shards",
         100_000,
         "shards in one read plan, at most (a plan costs about 250 bytes of memory a shard)",
         _int,
         minimum=1,
+        metavar="N",
+        group="admin",
     ),
     Setting(
         "part_size",
@@ -548,14 +649,26 @@ SETTINGS: tuple[Setting, ...] = (
         "ranged part size for large objects, e.g. 8MiB; at least 64KiB, 0 disables",
         _part_size,
         show=_show_size,
+        metavar="SIZE",
+        group="performance",
     ),
-    Setting("parallel", UPSTREAM.parallel, "concurrent ranged parts per object", _int, minimum=1),
+    Setting(
+        "parallel",
+        UPSTREAM.parallel,
+        "concurrent ranged parts per object",
+        _int,
+        minimum=1,
+        metavar="N",
+        group="performance",
+    ),
     Setting(
         "http_parts",
         UPSTREAM.http_parts,
         "on: also fetch large http(s) shards in parallel ranged parts (s3:// always are); "
         "for origins that limit each connection",
         _on_off,
+        metavar="on|off",
+        group="performance",
     ),
     Setting(
         "cold_range",
@@ -570,6 +683,7 @@ SETTINGS: tuple[Setting, ...] = (
         "range's only. With parts (s3://, --http-parts on) either way the download "
         "fetches the part holding the range first and no byte crosses twice",
         choices=("fast", "once"),
+        group="performance",
     ),
     Setting(
         "http_transport",
@@ -577,6 +691,7 @@ SETTINGS: tuple[Setting, ...] = (
         "how one http(s) stream is received: threads receives on blocking sockets in "
         "worker threads and splices into the file, aiohttp on the event loop",
         choices=("threads", "aiohttp"),
+        group="performance",
     ),
     Setting(
         "s3_endpoint_url",
@@ -584,15 +699,32 @@ SETTINGS: tuple[Setting, ...] = (
         "S3-compatible endpoint for s3:// upstreams",
         _http_url,
         none_means="AWS",
+        metavar="URL",
+        group="upstreams",
     ),
-    Setting("s3_region", None, "S3 region", none_means="from the AWS config"),
-    Setting("s3_profile", None, "AWS shared-config profile for s3:// upstreams"),
+    Setting(
+        "s3_region",
+        None,
+        "S3 region",
+        none_means="from the AWS config",
+        metavar="REGION",
+        group="upstreams",
+    ),
+    Setting(
+        "s3_profile",
+        None,
+        "AWS shared-config profile for s3:// upstreams",
+        metavar="PROFILE",
+        group="upstreams",
+    ),
     Setting(
         "gcs_endpoint_url",
         None,
         "Google Cloud Storage endpoint for gs:// upstreams (an emulator)",
         _http_url,
         none_means="storage.googleapis.com",
+        metavar="URL",
+        group="upstreams",
     ),
     Setting(
         "azure_endpoint_url",
@@ -601,9 +733,23 @@ SETTINGS: tuple[Setting, ...] = (
         "(Azurite: http://127.0.0.1:10000/{account})",
         _http_url,
         none_means="https://{account}.blob.core.windows.net",
+        metavar="URL",
+        group="upstreams",
     ),
-    Setting("s3_front_access_key", None, "access key S3 clients must sign with"),
-    Setting("s3_front_secret_key", None, "secret key S3 clients must sign with"),
+    Setting(
+        "s3_front_access_key",
+        None,
+        "access key S3 clients must sign with",
+        metavar="KEY",
+        group="fronts",
+    ),
+    Setting(
+        "s3_front_secret_key",
+        None,
+        "secret key S3 clients must sign with",
+        metavar="KEY",
+        group="fronts",
+    ),
     Setting(
         "s3_domains",
         ("localhost",),
@@ -611,9 +757,25 @@ SETTINGS: tuple[Setting, ...] = (
         "BUCKET.DOMAIN), comma separated",
         _domains,
         flag="--s3-domain",
+        metavar="DOMAIN",
+        group="fronts",
     ),
-    Setting("tls_cert", None, "PEM certificate chain: serve HTTPS instead of HTTP", _readable_file),
-    Setting("tls_key", None, "PEM private key of --tls-cert", _readable_file),
+    Setting(
+        "tls_cert",
+        None,
+        "PEM certificate chain: serve HTTPS instead of HTTP",
+        _readable_file,
+        metavar="PATH",
+        group="fronts",
+    ),
+    Setting(
+        "tls_key",
+        None,
+        "PEM private key of --tls-cert",
+        _readable_file,
+        metavar="PATH",
+        group="fronts",
+    ),
     # set by code only (tests, benchmarks)
     Setting(
         "retry_backoff",
@@ -635,6 +797,14 @@ CONFIG_FILE = Setting(
     _readable_file,
     metavar="FILE.toml",
 )
+
+
+def in_groups(settings: Sequence[Setting] = SETTINGS) -> list[Setting]:
+    """``settings`` in the order ``serve --help`` and the docs list them: those of no
+    group first, then group by group as in :data:`GROUPS`, the table's order within."""
+    order = {key: i for i, (key, _) in enumerate(GROUPS)}
+    return sorted(settings, key=lambda s: order.get(s.group, -1))
+
 
 BY_NAME: Mapping[str, Setting] = MappingProxyType({s.name: s for s in SETTINGS})
 DEFAULTS: Mapping[str, Any] = MappingProxyType(
@@ -697,16 +867,18 @@ class Settings:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add a flag for each setting of the table; defaults are None so that environment
-    variables and the config file can fill in."""
+    """Add a flag for each setting of the table, in an argument group per section of
+    :data:`GROUPS`; defaults are None so that environment variables and the config file
+    can fill in."""
     # A value such as -5G would otherwise be taken for an unknown option, and the error
     # ("expected one argument") would hide the real one; no serve flag starts with a digit.
     if hasattr(parser, "_negative_number_matcher"):
         parser._negative_number_matcher = re.compile(r"^-\.?\d")
+    sections = {key: parser.add_argument_group(key, text) for key, text in GROUPS}
     for s in (CONFIG_FILE, *SETTINGS):
         if s.flag is None:
             continue
-        parser.add_argument(
+        sections.get(s.group, parser).add_argument(
             s.flag,
             dest=s.name,
             default=None,
