@@ -29,6 +29,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "shardcache.cli.prefetch",  # prefetch
     "shardcache.cli.plan",  # plan
     "shardcache.cli.stats",  # stats, ls
+    "shardcache.cli.where",  # where
     "shardcache.cli.completion",  # completion
 )
 
