@@ -278,13 +278,17 @@ async def _where(request: web.Request) -> web.Response:
     store = request.app[STORE]
     entry = await asyncio.to_thread(store.get, canonical, touch=False)
     dl = request.app[INFLIGHT].get(canonical)
-    planned = []
-    for plan in request.app[PLANS]:
-        ahead = [i for i, u in enumerate(plan.urls) if u == canonical and i >= plan.position]
-        if ahead:
-            planned.append(
-                {"plan": plan.id, "name": plan.name, "index": ahead[0], "position": plan.position}
-            )
+
+    def scan(plans: list[Any]) -> list[dict[str, Any]]:  # up to 64 x 100,000 URLs
+        found = []
+        for plan in plans:
+            at = plan.position
+            ahead = next((i for i, u in enumerate(plan.urls) if u == canonical and i >= at), None)
+            if ahead is not None:
+                found.append({"plan": plan.id, "name": plan.name, "index": ahead, "position": at})
+        return found
+
+    planned = await asyncio.to_thread(scan, list(request.app[PLANS]))
     state = "cached" if entry is not None else "downloading" if dl is not None else "not cached"
     body.update(
         form=form,
