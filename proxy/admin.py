@@ -1,5 +1,5 @@
-"""The proxy's own routes: health and readiness, stats and gauges, prefetch and purge,
-and the admin-token rule for the mutating ones."""
+"""The proxy's own routes: health and readiness, stats and gauges, where a URL goes,
+prefetch and purge, and the admin-token rule for the mutating ones."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import logging
 import os
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from braceexpand import braceexpand
@@ -18,6 +19,7 @@ from proxy.context import (
     HITS,
     INFLIGHT,
     METRICS,
+    PLANS,
     RUNTIME,
     SCHEDULER,
     SETTINGS,
@@ -166,7 +168,7 @@ def _canonical(request: web.Request, url: str) -> str:
         return map_url(url, s.upstreams, s.allow_hosts, s.max_path_length)
     except Forbidden:
         # a typo in the URL or the upstream is far likelier than a wish for an open proxy
-        names = ", ".join(str(u) for u in s.upstreams) or "none"
+        names = ", ".join(_without_userinfo(str(u)) for u in s.upstreams) or "none"
         raise Forbidden(
             f"{url}: under none of this proxy's upstreams ({names}); check both for a typo "
             "(a URL of another host is fetched only when --allow-host names the host)"
@@ -228,20 +230,91 @@ async def _purge(request: web.Request) -> web.Response:
 def _plan_url(request: web.Request, url: Any) -> str:
     """The canonical upstream URL of a plan entry: a proxy path, a URL of this proxy, an
     upstream URL, or ``s3://BUCKET/KEY`` of a bucket of the S3 front."""
-    if isinstance(url, str) and not url.startswith("/"):
-        s = request.app[SETTINGS]
-        under = any(url.startswith(u.base + "/") for u in s.upstreams)
-        if not under:
-            scheme, sep, rest = url.partition("://")
-            host, slash, path = rest.partition("/")
-            if sep and scheme.lower() in ("http", "https") and _is_me(request, scheme, host):
-                url = slash + path  # a URL of this proxy
-            elif sep and scheme.lower() == "s3" and any(u.name == host for u in s.upstreams):
-                url = f"/{host}/{path}"  # a bucket of the S3 front
     try:
-        return _canonical(request, url)
+        return _canonical(request, _url_form(request, url)[1])
     except Forbidden as exc:
         raise BadRequest(str(exc)) from None
+
+
+def _url_form(request: web.Request, url: Any) -> tuple[str, Any]:
+    """Which form ``url`` has, and what :func:`_canonical` maps: ("proxy path", path),
+    ("proxy URL", its path), ("S3 front bucket", /BUCKET/KEY) or ("absolute URL", url);
+    the one rule of every route that takes URLs (plans, prefetch, where)."""
+    if not isinstance(url, str) or url.startswith("/"):
+        return "proxy path", url
+    s = request.app[SETTINGS]
+    if any(url.startswith(u.base + "/") for u in s.upstreams):
+        return "upstream URL", url
+    scheme, sep, rest = url.partition("://")
+    host, slash, path = rest.partition("/")
+    if sep and scheme.lower() in ("http", "https") and _is_me(request, scheme, host):
+        return "proxy URL", slash + path  # a URL of this proxy
+    if sep and scheme.lower() == "s3" and any(u.name == host for u in s.upstreams):
+        return "S3 front bucket", f"/{host}/{path}"  # a bucket of the S3 front
+    return "absolute URL", url
+
+
+async def _where(request: web.Request) -> web.Response:
+    """``GET /-/where?url=URL``: what a URL in any form maps to on this proxy (the
+    upstream, the upstream URL fetched, the proxy path, the cache key) and what the
+    proxy holds of it (cached, downloading, in a read plan); without ``url``, the
+    upstreams and allowed hosts, which is what a client needs to map URLs itself.
+    Read-only: no admin token. A URL that maps nowhere is answered 200 with ``error``
+    saying why."""
+    s = request.app[SETTINGS]
+    body: dict[str, Any] = {
+        "upstreams": [_without_userinfo(str(u)) for u in s.upstreams],
+        "allow_hosts": list(s.allow_hosts),
+    }
+    url = request.query.get("url")
+    if url is None:
+        return web.json_response(body)
+    body["url"] = url
+    form, target = _url_form(request, url)
+    try:
+        canonical = _canonical(request, target)
+    except ProxyError as exc:
+        body.update(form=form, error=str(exc))
+        return web.json_response(body)
+    under = [u for u in s.upstreams if canonical.startswith(u.base + "/")]
+    if under:
+        up = max(under, key=lambda u: len(u.base))
+        rest = canonical[len(up.base) :]
+        path = (f"/{up.name}" if up.name else "") + rest
+        upstream = _without_userinfo(str(up))
+    else:  # a host of --allow-host, in the absolute-URL form
+        path = "/" + canonical
+        upstream = "allowed host " + (urlsplit(canonical).hostname or "?")
+    if form == "absolute URL":
+        form = "upstream URL" if under else "URL of an allowed host"
+    store = request.app[STORE]
+    entry = await asyncio.to_thread(store.get, canonical, touch=False)
+    dl = request.app[INFLIGHT].get(canonical)
+
+    def scan(plans: list[Any]) -> list[dict[str, Any]]:  # up to 64 x 100,000 URLs
+        found = []
+        for plan in plans:
+            at = plan.position
+            ahead = next((i for i, u in enumerate(plan.urls) if u == canonical and i >= at), None)
+            if ahead is not None:
+                found.append({"plan": plan.id, "name": plan.name, "index": ahead, "position": at})
+        return found
+
+    planned = await asyncio.to_thread(scan, list(request.app[PLANS]))
+    state = "cached" if entry is not None else "downloading" if dl is not None else "not cached"
+    body.update(
+        form=form,
+        upstream=upstream,
+        upstream_url=_without_userinfo(canonical),
+        proxy_path=path,
+        proxy_url=f"{request.scheme}://{request.host}{path}",
+        key=store.key(canonical),
+        state=state,
+        size=entry.size if entry is not None else (dl.meta.size if dl is not None else None),
+        downloaded=dl.written if dl is not None and entry is None else None,
+        planned=planned,
+    )
+    return web.json_response(body)
 
 
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "ip6-localhost"})

@@ -27,6 +27,7 @@ from proxy.admin import (
     _readyz,
     _refresh_gauges,
     _stats,
+    _where,
     loopback_only,
 )
 from proxy.config import Settings
@@ -165,6 +166,7 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
     r.add_get("/-/healthz", _healthz)
     r.add_get("/-/readyz", _readyz)
     r.add_get("/-/stats", _stats)
+    r.add_get("/-/where", _where)
     r.add_post("/-/prefetch", _prefetch)
     r.add_get("/-/plans", _plans_list)
     r.add_post("/-/plans", _plans_add)

@@ -31,6 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
         help="run the caching proxy daemon",
+        usage="%(prog)s --cache-dir PATH --upstream [NAME=]URL [OPTION ...]",
         description="Serve shards from upstreams through an on-disk cache. Every flag also "
         "reads SHARDCACHE_<FLAG> from the environment and a key of the --config file; the "
         "flag wins over the environment, the environment over the file. " + SIZE_UNITS,

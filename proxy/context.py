@@ -70,6 +70,7 @@ ADMIN_ROUTES = {
     "/-/healthz": "GET, HEAD",
     "/-/readyz": "GET, HEAD",
     "/-/stats": "GET, HEAD",
+    "/-/where": "GET, HEAD",
     "/-/prefetch": "POST",
     "/-/plans": "GET, HEAD, POST",
     "/-/cache": "DELETE",

@@ -1,7 +1,9 @@
 """Shard URLs: naming, brace expansion, shard lists and rewriting for a shardcache proxy.
 
-Everything here is pure string work: no I/O, no network. The only environment variable,
-``SHARDCACHE_PROXY``, is read by :func:`proxied` when it is called without ``proxy=``.
+Everything here is pure string work, with one exception: :func:`proxied` called without
+``upstream=`` asks the proxy once for its upstreams (``GET /-/where``). The only
+environment variable, ``SHARDCACHE_PROXY``, is read by :func:`proxied` when it is called
+without ``proxy=``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ __all__ = [
     "expand_urls",
     "shardlist",
     "proxied",
+    "proxy_upstreams",
 ]
 
 PROXY_ENV = "SHARDCACHE_PROXY"
@@ -154,7 +157,21 @@ def _not_under(url: str, rules: list[tuple[str, str]]) -> ProxyURLError:
     )
 
 
-def _map_prefix(url: str, base: str, rules: list[tuple[str, str]], absolute: bool) -> str:
+def _absolute_ok(url: str, absolute: bool | frozenset[str]) -> bool:
+    """Whether ``url`` may take the absolute-URL form: always, never, or when its host
+    (``host`` or ``host:port``) is one the proxy allows (``--allow-host``)."""
+    if isinstance(absolute, bool):
+        return absolute
+    rest = url.partition("://")[2]
+    netloc = rest.split("/", 1)[0].rpartition("@")[2].lower()
+    if not url.lower().startswith(("http://", "https://")):
+        return False
+    return netloc in absolute or netloc.rsplit(":", 1)[0] in absolute
+
+
+def _map_prefix(
+    url: str, base: str, rules: list[tuple[str, str]], absolute: bool | frozenset[str]
+) -> str:
     """Map one URL (or the fixed prefix of a pattern) to its proxy URL."""
     rule = _match_rule(url, rules)
     if rule is not None:
@@ -171,10 +188,15 @@ def _map_prefix(url: str, base: str, rules: list[tuple[str, str]], absolute: boo
             )
         return f"{base}/{rest}"
     if _SCHEME_RE.match(url):
-        if not absolute:
+        if url.startswith(base + "/"):
+            return url  # already a URL of the proxy
+        if not _absolute_ok(url, absolute):
             raise _not_under(url, rules)
         return f"{base}/{url}"
-    raise ProxyURLError(f"{url!r}: only absolute URLs (scheme://host/path) can be proxied")
+    raise ProxyURLError(
+        f"{url!r}: only absolute URLs (scheme://host/path) can be proxied (a path is a "
+        "local file; for a path on the proxy, write the proxy's URL)"
+    )
 
 
 def _fixed_prefix(pattern: str) -> str:
@@ -187,7 +209,9 @@ def _fixed_prefix(pattern: str) -> str:
     return pattern[:cut]
 
 
-def _map_pattern(pattern: str, base: str, rules: list[tuple[str, str]], absolute: bool) -> str:
+def _map_pattern(
+    pattern: str, base: str, rules: list[tuple[str, str]], absolute: bool | frozenset[str]
+) -> str:
     """Rewrite one ``::``-free spec, keeping its braces when the mapping allows it."""
     if "{" not in pattern and "\\" not in pattern:
         return _map_prefix(pattern, base, rules, absolute)
@@ -200,13 +224,15 @@ def _map_pattern(pattern: str, base: str, rules: list[tuple[str, str]], absolute
     )
     rule = _match_rule(fixed, rules)
     decided = rule is not None or _SCHEME_RE.match(fixed)
+    if rule is None and not isinstance(absolute, bool) and "/" not in fixed.partition("://")[2]:
+        decided = False  # the host is not known before the braces are filled in
     if rule is not None and not rule[0] and any(n for n, _ in rules):
         # an unnamed upstream's short path must not start like a named one: that needs
         # the whole first path segment, which braces may still change
         if "/" not in fixed[len(rule[1]) + 1 :]:
             decided = False
     if decided and not ambiguous:
-        if rule is None and not absolute:
+        if rule is None and not fixed.startswith(base + "/") and not _absolute_ok(fixed, absolute):
             raise _not_under(pattern, rules)
         return _map_prefix(fixed, base, rules, absolute) + pattern[len(fixed) :]
     # Fall back to mapping every expansion (still one string, as a ``::`` list).
@@ -228,7 +254,11 @@ def proxied(
     http). It defaults to the ``SHARDCACHE_PROXY`` environment variable, read when called.
 
     ``upstream`` repeats the proxy's ``--upstream`` flags (a string or a list of them), so
-    URLs get the proxy's short paths:
+    URLs get the proxy's short paths. Without it (and without ``absolute=True``) the
+    proxy is asked once for its upstreams and allowed hosts (``GET /-/where``), so
+    ``proxied(urls, "http://127.0.0.1:8080")`` maps URLs exactly as the running proxy
+    does, and a URL of a host it allows (``--allow-host``) takes the absolute-URL form;
+    ``upstream=()`` means no upstream without asking. The mapping:
 
     - ``URL``: the proxy serves ``/<path>`` from ``URL/<path>``, so
       ``URL/<path>`` becomes ``<proxy>/<path>``;
@@ -240,23 +270,63 @@ def proxied(
     otherwise surface later as a 403 from the proxy), unless ``absolute=True`` asks for the
     proxy's absolute-URL form: ``scheme://host/path`` becomes ``<proxy>/scheme://host/path``,
     which the proxy serves only for hosts named with ``--allow-host``. ``s3://bucket/key``
-    follows the same rules (an upstream may be ``s3://bucket``). Local paths cannot be
-    proxied.
+    follows the same rules (an upstream may be ``s3://bucket``). A URL of the proxy itself
+    is kept as it is. Local paths cannot be proxied (a path names a local file).
 
     A string stays a string: ``::`` lists keep their parts, and a brace pattern keeps its
     braces when its fixed prefix decides the mapping (otherwise its expansions are listed
     with ``::``). So ``webdataset.WebDataset(proxied("https://h/d/s-{000..009}.tar"))``
     works unmodified. A list gives a list.
 
-    Raises :class:`ProxyURLError` (a ``ValueError``) naming what cannot be rewritten.
+    Raises :class:`ProxyURLError` (a ``ValueError``) naming what cannot be rewritten, or
+    the proxy that could not be asked for its upstreams.
     """
     base = _proxy_base(proxy)
-    rules = _parse_upstreams(upstream)
+    allowed: bool | frozenset[str] = absolute
+    specs = [urls] if isinstance(urls, str) else [u for u in urls if isinstance(u, str)]
+    parts = [p for spec in specs for p in spec.split("::")]
+    # the proxy is asked only when some URL is neither a local path nor already its own
+    ask = any(_SCHEME_RE.match(p) and not p.startswith(base + "/") for p in parts)
+    if upstream is None and not absolute and ask:
+        learned, hosts = proxy_upstreams(base)
+        rules = _parse_upstreams(learned)
+        allowed = frozenset(h.lower() for h in hosts)
+    else:
+        rules = _parse_upstreams(upstream)
     if isinstance(urls, str):
-        return "::".join(_map_pattern(part, base, rules, absolute) for part in urls.split("::"))
+        return "::".join(_map_pattern(part, base, rules, allowed) for part in urls.split("::"))
     result: list[str] = []
     for url in urls:
         if not isinstance(url, str):
             raise ProxyURLError(f"shard URLs must be strings, got {url!r}")
-        result.append("::".join(_map_pattern(p, base, rules, absolute) for p in url.split("::")))
+        result.append("::".join(_map_pattern(p, base, rules, allowed) for p in url.split("::")))
     return result
+
+
+def proxy_upstreams(proxy: str, timeout: float = 10.0) -> tuple[list[str], list[str]]:
+    """The ``--upstream`` values (``NAME=URL`` or ``URL``, without ``user:password@``)
+    and ``--allow-host`` values of the proxy at ``proxy``, from its read-only
+    ``GET /-/where``. :class:`ProxyURLError` naming the proxy when it cannot be asked."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    base = _proxy_base(proxy)
+    try:
+        with urllib.request.urlopen(f"{base}/-/where", timeout=timeout) as resp:
+            data = json.loads(resp.read(1 << 20))
+    except urllib.error.HTTPError as exc:
+        raise ProxyURLError(
+            f"the proxy at {base} did not list its upstreams (HTTP {exc.code} from "
+            "/-/where: a shardcache older than this library?); pass upstream=[...]"
+        ) from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        why = getattr(exc, "reason", exc)
+        raise ProxyURLError(
+            f"cannot ask the proxy at {base} for its upstreams ({why}); start it, fix "
+            f"proxy= (or {PROXY_ENV}), or pass upstream=[...]"
+        ) from None
+    ups, hosts = data.get("upstreams"), data.get("allow_hosts")
+    if not isinstance(ups, list) or not isinstance(hosts, list):
+        raise ProxyURLError(f"{base}/-/where: not a shardcache answer (no upstreams list)")
+    return [str(u) for u in ups], [str(h) for h in hosts]

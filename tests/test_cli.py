@@ -70,23 +70,71 @@ def test_a_mistyped_command_names_the_closest_one():
     assert "unknown command 'frobnicate' (choose from serve, check," in res.stderr
 
 
-def test_a_mistyped_flag_shows_the_subcommands_usage_and_the_closest_flag():
+def test_a_mistyped_flag_shows_one_usage_line_and_the_closest_flag_first():
     res = run_cli("serve", "--cache-dir", "x", "--upstream", "http://a", "--cache-sise", "5G")
     assert res.returncode == 2
-    assert res.stderr.startswith("usage: shardcache serve ")
-    assert res.stderr.rstrip().endswith(
-        "shardcache serve: error: unrecognized arguments: --cache-sise 5G; "
-        "did you mean --cache-size?"
+    # the exact shape: one short usage line, then the error with the hint first
+    assert res.stderr == (
+        "usage: shardcache serve --cache-dir PATH --upstream [NAME=]URL [OPTION ...]\n"
+        "shardcache serve: error: did you mean --cache-size? "
+        "(unrecognized arguments: --cache-sise 5G)\n"
     )
+    # a flag without its value: the same two lines
+    res = run_cli("serve", "--port")
+    assert res.returncode == 2
+    assert res.stderr.splitlines() == [
+        "usage: shardcache serve --cache-dir PATH --upstream [NAME=]URL [OPTION ...]",
+        "shardcache serve: error: argument --port: expected one argument",
+    ]
     # a nested subcommand, the --flag=value form
     res = run_cli("dbcache", "build", "x.db", "u", "--size", "1", "--codex=safe")
     assert res.returncode == 2
     assert res.stderr.startswith("usage: shardcache dbcache build ")
-    assert "unrecognized arguments: --codex=safe; did you mean --codec?" in res.stderr
+    assert len(res.stderr.splitlines()) == 2, res.stderr
+    assert "error: did you mean --codec? (unrecognized arguments: --codex=safe)" in res.stderr
     # nothing close: the arguments alone
     res = run_cli("stats", "--frobnicate")
     assert res.stderr.startswith("usage: shardcache stats ")
     assert res.stderr.rstrip().endswith("error: unrecognized arguments: --frobnicate")
+
+
+def test_a_long_usage_is_shortened_on_errors():
+    """A usage longer than a line becomes the program, [OPTION ...] and the positionals."""
+    import argparse
+
+    from shardcache.cli import short_usage
+
+    p = argparse.ArgumentParser(prog="shardcache tool")
+    for i in range(12):
+        p.add_argument(f"--option-number-{i}", metavar="VALUE")
+    p.add_argument("pattern", metavar="PATTERN")
+    assert short_usage(p) == (
+        "usage: shardcache tool [OPTION ...] PATTERN  (shardcache tool --help lists the options)"
+    )
+    q = argparse.ArgumentParser(prog="shardcache small")
+    q.add_argument("--json", action="store_true")
+    assert short_usage(q) == "usage: shardcache small [-h] [--json]"
+
+
+def test_serve_help_lists_the_flags_by_group_with_metavars():
+    out = run_cli("serve", "--help").stdout
+    titles = [line.rstrip(":") for line in out.splitlines() if re.fullmatch(r"[a-z]+:", line)]
+    assert titles == ["options", "cache", "upstreams", "fronts", "admin", "performance", "logging"]
+    flat = " ".join(out.split())
+    for shown in (
+        "--cache-size SIZE",
+        "--cache-dir PATH",
+        "--read-timeout SECONDS",
+        "--prefetch-concurrency N",
+        "--s3-endpoint-url URL",
+        "--log-level debug|info|warning|error|critical",
+        "--http-parts on|off",
+    ):
+        assert shown in flat, shown
+    assert not re.search(r"--[a-z-]+ [A-Z]+_[A-Z_]+", flat), "a metavar made from the dest"
+    # every flag of the table sits under its group's title
+    cache = out[out.index("\ncache:") : out.index("\nupstreams:")]
+    assert "--cache-size" in cache and "--eviction" in cache and "--upstream " not in cache
 
 
 def test_check_reports_stray_files_and_leaves_them(tmp_path):

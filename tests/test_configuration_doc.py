@@ -113,11 +113,11 @@ def test_the_example_config_names_every_setting_and_reads_back_as_the_defaults(t
     setting's default (cache_dir, which has none, an example path)."""
     import re
 
-    from proxy.config import Settings, parse_settings
+    from proxy.config import Settings, in_groups, parse_settings
 
     text = EXAMPLE.read_text()
     keys = re.findall(r"^# ([a-z0-9_]+) = ", text, re.MULTILINE)
-    assert keys == [s.name for s in SETTINGS if s.flag is not None]
+    assert keys == [s.name for s in in_groups() if s.flag is not None]
     assert not [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
     for s in SETTINGS:
         if s.flag is not None:
@@ -143,3 +143,33 @@ def test_check_mode_fails_on_a_stale_example(tmp_path, monkeypatch):
     assert gen_configuration.main(["--check"]) == 1
     assert gen_configuration.main([]) == 0
     assert gen_configuration.main(["--check"]) == 0
+
+
+def test_the_reference_and_the_example_are_grouped_as_serve_help():
+    """One section per group of the table, in the order of ``serve --help``, each
+    holding exactly the flags of its group."""
+    import re
+
+    from proxy.config import GROUPS, SETTINGS
+
+    doc = DOC.read_text()
+    serve = doc[doc.index("## `shardcache serve`") : doc.index("## `shardcache prefetch`")]
+    heads = re.findall(r"^### (\w+)$", serve, re.MULTILINE)
+    assert heads == [key for key, _ in GROUPS]
+    for key, _ in GROUPS:
+        part = serve.split(f"### {key}\n", 1)[1].split("\n### ", 1)[0]
+        flags = re.findall(r"^\| `(--[a-z0-9-]+)", part, re.MULTILINE)
+        assert flags == [s.flag for s in SETTINGS if s.group == key and s.flag], key
+    example = EXAMPLE.read_text()
+    rules = re.findall(r"^# ---- (\w+):", example, re.MULTILINE)
+    assert rules == [key for key, _ in GROUPS]
+
+
+def test_every_setting_with_a_flag_has_a_group_and_a_metavar():
+    from proxy.config import GROUPS, SETTINGS
+
+    keys = {key for key, _ in GROUPS}
+    for s in SETTINGS:
+        if s.flag is not None:
+            assert s.group in keys, f"{s.name}: give it a group= of {sorted(keys)}"
+            assert s.metavar, f"{s.name}: give it a metavar= saying what a value is"

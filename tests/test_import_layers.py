@@ -217,7 +217,7 @@ def test_the_scan_counts_lazy_string_and_relative_imports_not_type_only_ones(tmp
 
 def test_the_graph_counts_the_packages_an_import_initialises():
     graph = import_graph()
-    assert "proxy.upstream" in graph["proxy.config"]  # via proxy.upstream.options
+    assert "proxy.upstream" in graph["proxy.settings_table"]  # via proxy.upstream.options
     assert "shardcache" in graph["dbcache._file"]  # via shardcache.errors
     assert "proxy.upstream" not in graph["proxy.upstream.fetcher"]  # its own package
 

@@ -134,8 +134,9 @@ def test_proxied_url_under_no_upstream_is_an_error_naming_url_and_upstreams(url,
 
 
 def test_proxied_without_upstream_needs_the_absolute_form():
+    # upstream=(): no upstream, without asking the proxy (upstream=None asks it)
     with pytest.raises(ProxyURLError, match="'https://o/x.tar': no upstream given.*absolute=True"):
-        proxied("https://o/x.tar", P)
+        proxied("https://o/x.tar", P, upstream=())
     assert proxied("https://o/x.tar", P, absolute=True) == f"{P}/https://o/x.tar"
 
 

@@ -14,8 +14,10 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from shardcache._version import __version__
+from shardcache.cli.argtree import actions, is_subcommands, subcommands
 from shardcache.errors import ShardcacheError
 
 # Modules that contribute subcommands, in the order they appear in --help.
@@ -27,6 +29,8 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "shardcache.cli.prefetch",  # prefetch
     "shardcache.cli.plan",  # plan
     "shardcache.cli.stats",  # stats, ls
+    "shardcache.cli.where",  # where
+    "shardcache.cli.completion",  # completion
 )
 
 log = logging.getLogger("shardcache")
@@ -55,22 +59,39 @@ def chosen_parser(
 ) -> argparse.ArgumentParser:
     """The (sub)parser that ``args`` came from: down through each chosen subcommand."""
     while True:
-        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        subs = [a for a in actions(parser) if is_subcommands(a)]
         name = getattr(args, subs[0].dest, None) if subs else None
-        if name not in (subs[0].choices if subs else {}):
+        chosen = subcommands(parser)
+        if name not in chosen:
             return parser
-        parser = subs[0].choices[name]
+        parser = chosen[name]
 
 
 def unrecognized(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
-    """The error for arguments that ``parser`` does not take, naming the closest option."""
-    options = [o for a in parser._actions for o in a.option_strings]
+    """The error for arguments that ``parser`` does not take, the closest option first:
+    ``did you mean --cache-size? (unrecognized arguments: --cache-sise 5G)``."""
+    options = [o for a in actions(parser) for o in a.option_strings]
     message = f"unrecognized arguments: {' '.join(extras)}"
     for word in extras:
         close = closest_option(word, options)
         if close:
-            return f"{message}; did you mean {close}?"
+            return f"did you mean {close}? ({message})"
     return message
+
+
+def short_usage(parser: argparse.ArgumentParser, width: int = 100) -> str:
+    """The usage line an error shows: argparse's own when it fits on one line, else
+    ``usage: PROG [OPTION ...] POSITIONAL ...`` and where the options are listed."""
+    usage = parser.format_usage().strip()
+    if "\n" not in usage and len(usage) <= width:
+        return usage
+    words = [parser.prog, "[OPTION ...]"]
+    for a in actions(parser):
+        if a.option_strings or a.help == argparse.SUPPRESS:
+            continue
+        name = a.metavar or a.dest.upper()
+        words.append(f"{name} ..." if is_subcommands(a) or a.nargs in ("+", "*") else str(name))
+    return f"usage: {' '.join(words)}  ({parser.prog} --help lists the options)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -85,6 +106,10 @@ class _Parser(argparse.ArgumentParser):
         ):
             raise argparse.ArgumentError(action, closest_command(value, list(action.choices)))
         super()._check_value(action, value)
+
+    def error(self, message: str) -> NoReturn:
+        """One short usage line and the error, not the whole usage of every flag."""
+        self.exit(2, f"{short_usage(self)}\n{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -66,6 +66,7 @@ def add_proxy_option(parser: argparse.ArgumentParser) -> argparse.Action:
         parser,
         "--proxy",
         default=None,
+        metavar="URL",
         help="URL of the running proxy",
         env=PROXY_ENV,
         shown_default=DEFAULT_PROXY,

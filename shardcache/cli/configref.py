@@ -19,19 +19,33 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     raise ToolError(f"no {name!r} subcommand in the CLI")
 
 
-def setting_rows() -> list[tuple[str, str, str, str]]:
-    """(flag, environment variable, default, meaning) for each setting of ``serve``, read
-    from the settings table itself."""
+def setting_rows(group: str | None = None) -> list[tuple[str, str, str, str]]:
+    """(flag, environment variable, default, meaning) for each setting of ``serve`` (of
+    one section of ``proxy.config.GROUPS`` when ``group`` is given; ``""``: the settings
+    of no section), read from the settings table itself."""
     from proxy.config import CONFIG_FILE, SETTINGS
 
     rows = []
     for s in (CONFIG_FILE, *SETTINGS):
-        if s.flag is None:  # set by code only
+        if s.flag is None or (group is not None and s.group != group):  # set by code only
             continue
         rows.append(
             (f"{s.flag} {s.metavar or s.name.upper()}", s.env, s.default_text(), s.meaning())
         )
     return rows
+
+
+def grouped_setting_tables() -> list[str]:
+    """The ``serve`` settings as one markdown table per section, in the order of
+    ``serve --help``."""
+    from proxy.config import GROUPS
+
+    parts = [_md_table(setting_rows("")), ""]
+    for key, text in GROUPS:
+        rows = setting_rows(key)
+        if rows:
+            parts += [f"### {key}", "", text[:1].upper() + text[1:] + ".", "", _md_table(rows), ""]
+    return parts
 
 
 def option_rows(parser: argparse.ArgumentParser) -> list[tuple[str, str, str, str]]:
@@ -120,8 +134,7 @@ def configuration_reference() -> str:
         "http_parts = true",
         "```",
         "",
-        _md_table(setting_rows()),
-        "",
+        *grouped_setting_tables(),
     ]
     for name in ("prefetch", "plan", "stats", "ls", "check"):
         sub = _subparser(parser, name)
@@ -164,7 +177,7 @@ def example_config() -> str:
     meaning, flag, variable and default, then the key with its default as a value (or
     ``""`` where the default is computed or none). Uncommenting a line gives the default;
     the file is generated from the settings table, like the configuration reference."""
-    from proxy.config import SETTINGS, SIZE_UNITS
+    from proxy.config import GROUPS, SIZE_UNITS, in_groups
 
     out = [
         "# shardcache.toml: every setting of `shardcache serve`, commented out.",
@@ -175,9 +188,16 @@ def example_config() -> str:
         *("# " + line for line in _wrap(SIZE_UNITS)),
         "# An empty string leaves a setting at its default.",
     ]
-    for s in SETTINGS:
+    titles = dict(GROUPS)
+    group = None
+    for s in in_groups():
         if s.flag is None:  # set by code only
             continue
+        if s.group != group:
+            group = s.group
+            if group:
+                rule = f"# ---- {group}: {titles[group]} "
+                out += ["", rule + "-" * max(4, 88 - len(rule))]
         out.append("")
         out += ["# " + line for line in _wrap(s.meaning())]
         default = s.default_text()
