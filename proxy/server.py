@@ -9,6 +9,7 @@ import concurrent.futures
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 
@@ -76,10 +77,13 @@ async def run_server(
         else:
             from proxy.app import RUNTIME
 
-            peer = web.TCPSite(runner, "127.0.0.1", 0)  # plain HTTP: loopback, workers only
+            # plain HTTP on a loopback port of its own, for the other workers only; the
+            # socket is made here so that its port is known without the site's internals
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            peer = web.SockSite(runner, sock)
             await peer.start()
-            sockets = peer._server.sockets if peer._server is not None else ()
-            app[RUNTIME].internal_port = sockets[0].getsockname()[1]
+            app[RUNTIME].internal_port = sock.getsockname()[1]
             log.info("worker %d (pid %d) ready", worker, os.getpid())
             if ready is not None:
                 ready()

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from shardcache._version import __version__
+from shardcache.compat import HintingParser, SubParsersAction, parser_actions
 from shardcache.errors import ShardcacheError
 
 # Modules that contribute subcommands, in the order they appear in --help.
@@ -55,7 +56,7 @@ def chosen_parser(
 ) -> argparse.ArgumentParser:
     """The (sub)parser that ``args`` came from: down through each chosen subcommand."""
     while True:
-        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        subs = [a for a in parser_actions(parser) if isinstance(a, SubParsersAction)]
         name = getattr(args, subs[0].dest, None) if subs else None
         if name not in (subs[0].choices if subs else {}):
             return parser
@@ -64,7 +65,7 @@ def chosen_parser(
 
 def unrecognized(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
     """The error for arguments that ``parser`` does not take, naming the closest option."""
-    options = [o for a in parser._actions for o in a.option_strings]
+    options = [o for a in parser_actions(parser) for o in a.option_strings]
     message = f"unrecognized arguments: {' '.join(extras)}"
     for word in extras:
         close = closest_option(word, options)
@@ -73,18 +74,12 @@ def unrecognized(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
     return message
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(HintingParser):
     """An ArgumentParser whose subcommand errors name the closest subcommand; the
     subparsers it makes are of this class too."""
 
-    def _check_value(self, action: argparse.Action, value: object) -> None:
-        if (
-            isinstance(action, argparse._SubParsersAction)
-            and isinstance(value, str)
-            and value not in action.choices
-        ):
-            raise argparse.ArgumentError(action, closest_command(value, list(action.choices)))
-        super()._check_value(action, value)
+    def unknown_subcommand(self, value: str, choices: Sequence[str]) -> str | None:
+        return closest_command(value, list(choices))
 
 
 def build_parser() -> argparse.ArgumentParser:

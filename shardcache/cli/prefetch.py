@@ -32,6 +32,7 @@ from shardcache.cli.common import (
     probe_proxy,
     proxy_url,
 )
+from shardcache.compat import SubParsersAction
 from shardcache.errors import ShardcacheError
 
 # --------------------------------------------------------------------------- prefetch
@@ -375,7 +376,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: SubParsersAction) -> None:
     """Add the ``prefetch`` subcommand."""
     p = subparsers.add_parser(
         "prefetch",
