@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -67,11 +68,17 @@ __all__ = [
 
 
 class S3Error(ProxyError):
-    """An S3 error of the front's own: its class gives the status and the S3 code
-    (``status_hint`` may be given where S3 answers one code with two statuses)."""
+    """An S3 error of the front's own. Each subclass names its status and S3 code
+    (``class NoSuchBucket(S3Error, status=404)``; the code is the class's name unless
+    given); ``status_hint`` may be given where S3 answers one code with two statuses."""
 
     status_hint = 400
     s3_code: str = "InvalidRequest"
+
+    def __init_subclass__(cls, status: int = 400, code: str | None = None, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls.status_hint = status
+        cls.s3_code = code or cls.__name__
 
     def __init__(self, message: str, status_hint: int | None = None) -> None:
         super().__init__(f"{self.s3_code}: {message}", status_hint)
@@ -86,70 +93,46 @@ class S3Error(ProxyError):
         return self.s3_code
 
 
-class InvalidArgument(S3Error):
-    s3_code = "InvalidArgument"
+class InvalidArgument(S3Error): ...
 
 
-class InvalidRequest(S3Error):
-    s3_code = "InvalidRequest"
+class InvalidRequest(S3Error): ...
 
 
-class AuthorizationHeaderMalformed(S3Error):
-    s3_code = "AuthorizationHeaderMalformed"
+class AuthorizationHeaderMalformed(S3Error): ...
 
 
-class AuthorizationQueryParametersError(S3Error):
-    s3_code = "AuthorizationQueryParametersError"
+class AuthorizationQueryParametersError(S3Error): ...
 
 
-class AccessDenied(S3Error):
-    status_hint = 403
-    s3_code = "AccessDenied"
+class AccessDenied(S3Error, status=403): ...
 
 
-class InvalidAccessKeyId(S3Error):
-    status_hint = 403
-    s3_code = "InvalidAccessKeyId"
+class InvalidAccessKeyId(S3Error, status=403): ...
 
 
-class SignatureDoesNotMatch(S3Error):
-    status_hint = 403
-    s3_code = "SignatureDoesNotMatch"
+class SignatureDoesNotMatch(S3Error, status=403): ...
 
 
-class RequestTimeTooSkewed(S3Error):
-    status_hint = 403
-    s3_code = "RequestTimeTooSkewed"
+class RequestTimeTooSkewed(S3Error, status=403): ...
 
 
-class NoSuchBucket(S3Error):
-    status_hint = 404
-    s3_code = "NoSuchBucket"
+class NoSuchBucket(S3Error, status=404): ...
 
 
-class S3MethodNotAllowed(S3Error):
-    status_hint = 405
-    s3_code = "MethodNotAllowed"
+class S3MethodNotAllowed(S3Error, status=405, code="MethodNotAllowed"): ...
 
 
-class PreconditionFailed(S3Error):
-    status_hint = 412
-    s3_code = "PreconditionFailed"
+class PreconditionFailed(S3Error, status=412): ...
 
 
-class InvalidPartNumber(S3Error):
-    status_hint = 416
-    s3_code = "InvalidPartNumber"
+class InvalidPartNumber(S3Error, status=416): ...
 
 
-class S3NotImplemented(S3Error):
-    status_hint = 501
-    s3_code = "NotImplemented"
+class S3NotImplemented(S3Error, status=501, code="NotImplemented"): ...
 
 
-class S3Unavailable(S3Error):
-    status_hint = 503
-    s3_code = "ServiceUnavailable"
+class S3Unavailable(S3Error, status=503, code="ServiceUnavailable"): ...
 
 
 # --------------------------------------------------------------------------- the mapping
