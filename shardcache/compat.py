@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import functools
 import http.client
+import re
 import socket
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,7 @@ __all__ = [
     "response_payload",
     "threaded_sendfile_hooks",
     "use_protocol",
+    "values_may_look_negative",
     "wait_empty",
 ]
 
@@ -267,6 +269,14 @@ def parser_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     return list(parser._actions)
 
 
+def values_may_look_negative(parser: argparse.ArgumentParser) -> None:
+    """Let an option's value start with ``-`` and a digit (``-5G``: argparse would take
+    it for an unknown option and hide the real error); for parsers none of whose
+    options starts with a digit. Without argparse's private pattern, argparse as it is."""
+    if hasattr(parser, "_negative_number_matcher"):
+        parser._negative_number_matcher = re.compile(r"^-\.?\d")
+
+
 class HintingParser(argparse.ArgumentParser):
     """An ArgumentParser that asks :meth:`unknown_subcommand` what to say of a
     subcommand it does not have (through argparse's private value check; without it,
@@ -301,6 +311,14 @@ def _probe_argparse() -> None:
         raise CompatError("argparse's _AppendAction is not the class of action='append'")
     if not callable(getattr(argparse.ArgumentParser, "_check_value", None)):
         raise CompatError("argparse has no ArgumentParser._check_value to name subcommands")
+    parser.add_argument("--size")
+    values_may_look_negative(parser)
+    try:
+        size = parser.parse_known_args(["--size", "-5G"])[0].size
+    except (SystemExit, argparse.ArgumentError):
+        size = None
+    if size != "-5G":
+        raise CompatError("argparse has no _negative_number_matcher: -5G reads as an option")
 
 
 # --------------------------------------------------------------------------- probes
