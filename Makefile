@@ -12,7 +12,7 @@ TORCH ?=
 # venv of their own, kept apart from the light $(VENV).
 CLIENTS_VENV := .venv-clients
 
-.PHONY: demo test test-torch test-clients test-http lint bench clean
+.PHONY: demo test test-torch test-clients test-http test-compat lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,17 @@ else
 	$(PY) bench/http_cache_tests.py --suite "$(CACHE_TESTS_DIR)"
 endif
 
+# The lowest aiohttp that pyproject.toml allows, in a venv of its own made afresh: every
+# probe of shardcache.compat and the proxy serving a miss and a hit (tests/test_compat.py).
+# Shows the declared lower bound is true; not part of `make test` (it installs a venv).
+COMPAT_VENV := .venv-compat
+test-compat:
+	rm -rf $(COMPAT_VENV)
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/pip install --quiet -e . pytest pytest-timeout \
+	  "aiohttp==$$($(PYTHON) tests/lowest.py aiohttp)"
+	$(COMPAT_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests/test_compat.py
+
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 
@@ -73,4 +84,4 @@ bench: $(VENV)/.installed-test
 	$(PY) bench/pipeline.py
 
 clean:
-	rm -rf $(VENV) $(CLIENTS_VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(CLIENTS_VENV) $(COMPAT_VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis

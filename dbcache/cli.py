@@ -21,12 +21,13 @@ from typing import IO, Any
 from urllib.parse import urlsplit
 
 from dbcache._db import DBCache, DBCacheError
+from shardcache.compat import SubParsersAction
 from shardcache.errors import ShardcacheError
 
 log = logging.getLogger("shardcache.dbcache")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: SubParsersAction) -> None:
     """Add the ``dbcache`` command and its ``build``, ``info`` and ``export`` subcommands."""
     parser = subparsers.add_parser(
         "dbcache",

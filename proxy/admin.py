@@ -151,7 +151,11 @@ def _require_admin(request: web.Request) -> None:
         )
     auth = request.headers.get("Authorization")
     if not auth:
-        raise ProxyError("admin token required (Authorization: Bearer <token>)", status_hint=401)
+        raise ProxyError(
+            "admin token required (Authorization: Bearer <token>)",
+            status_hint=401,
+            headers={"WWW-Authenticate": 'Bearer realm="shardcache"'},
+        )
     scheme, _, given = auth.partition(" ")
     # the header's bytes that are not UTF-8 arrive as surrogates: compare them as sent
     if scheme.lower() != "bearer" or not hmac.compare_digest(

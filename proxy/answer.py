@@ -62,8 +62,7 @@ def _decide(
     try:
         return None, parse_range(rng, size)
     except RangeNotSatisfiable as exc:
-        exc.headers = {"Content-Range": f"bytes */{size}"}  # type: ignore[attr-defined]
-        raise
+        raise RangeNotSatisfiable(str(exc), size=size) from None
 
 
 def _first_byte(request: web.Request, cache: str) -> None:

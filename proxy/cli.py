@@ -19,6 +19,7 @@ from proxy.config import (
 )
 from proxy.server import run_server, tls_context
 from proxy.workers import serve_workers
+from shardcache.compat import SubParsersAction
 from shardcache.errors import ConfigError, StoreUnusable
 
 __all__ = ["register", "serve", "run_server", "tls_context"]
@@ -26,7 +27,7 @@ __all__ = ["register", "serve", "run_server", "tls_context"]
 log = logging.getLogger("shardcache.proxy")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
     p = subparsers.add_parser(
         "serve",

@@ -21,7 +21,6 @@ import argparse
 import difflib
 import logging
 import os
-import re
 import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from proxy.settings_table import CONFIG_FILE, DEFAULTS, SETTINGS
 from proxy.settings_table import EVICTION_POLICIES as EVICTION_POLICIES
 from proxy.settings_table import LOG_LEVELS as LOG_LEVELS
 from proxy.settings_table import in_groups as in_groups
+from shardcache.compat import values_may_look_negative
 from shardcache.errors import ConfigError
 
 __all__ = [
@@ -120,8 +120,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     can fill in."""
     # A value such as -5G would otherwise be taken for an unknown option, and the error
     # ("expected one argument") would hide the real one; no serve flag starts with a digit.
-    if hasattr(parser, "_negative_number_matcher"):
-        parser._negative_number_matcher = re.compile(r"^-\.?\d")
+    values_may_look_negative(parser)
     sections = {key: parser.add_argument_group(key, text) for key, text in GROUPS}
     for s in (CONFIG_FILE, *SETTINGS):
         if s.flag is None:

@@ -27,15 +27,11 @@ from proxy.context import (
     _forwarded,
 )
 from proxy.decide import XCache
-from proxy.inflight import DownloadFailed
+from proxy.errormap import error_answer
 from proxy.logs import clip
 from proxy.s3front import S3_SERVICE_ROUTE
 from proxy.upstream.errors import PassedAnswer
-from shardcache.errors import (
-    MethodNotAllowed,
-    ProxyError,
-    error_answer,
-)
+from shardcache.errors import ProxyError
 
 log = logging.getLogger(__name__)
 
@@ -77,21 +73,12 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         try:
             resp = await handler(request)
-        except ProxyError as exc:
-            if isinstance(exc.answer, PassedAnswer):
+        except (ProxyError, web.HTTPException) as exc:
+            if isinstance(exc, ProxyError) and isinstance(exc.answer, PassedAnswer):
                 resp = _passed(exc, exc.answer, request.method)
             else:
-                headers = getattr(exc, "headers", None)
-                if isinstance(exc, MethodNotAllowed):
-                    headers = {"Allow": getattr(exc, "allow", "GET, HEAD")}
-                status, _ = error_answer(exc)
-                if status == 401:
-                    headers = {"WWW-Authenticate": 'Bearer realm="shardcache"'}
-                resp = _error_response(status, str(exc), headers)
-        except web.HTTPException as exc:
-            resp = _error_response(exc.status, exc.text or exc.reason, None)
-        except DownloadFailed as exc:  # failed before this response started
-            resp = _error_response(502, f"upstream failed: {exc}")
+                told = error_answer(exc)
+                resp = _error_response(told.status, told.message, dict(told.headers) or None)
         except ConnectionError:
             note = " client-gone"
             resp = request.get(T_RESP)

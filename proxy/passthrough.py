@@ -64,11 +64,10 @@ def is_uncached(url: str, upstreams: Sequence[Upstream], patterns: Sequence[str]
 async def pass_through(request: web.Request, url: str) -> web.StreamResponse:
     """Forward ``request`` to ``url`` and answer with what the upstream said."""
     if request.method not in METHODS:
-        exc = MethodNotAllowed(
-            f"method {request.method} not allowed on an uncached path; use " + ", ".join(METHODS)
+        raise MethodNotAllowed(
+            f"method {request.method} not allowed on an uncached path; use " + ", ".join(METHODS),
+            allow=", ".join(METHODS),
         )
-        exc.allow = ", ".join(METHODS)  # type: ignore[attr-defined]
-        raise exc
     body = b""
     if request.method == "POST":
         if request.content_length is not None and request.content_length > MAX_BODY:

@@ -19,6 +19,14 @@ import concurrent.futures
 import os
 from typing import Any
 
+from shardcache.compat import (
+    add_writer,
+    remove_writer,
+    reset_empty_waiter,
+    threaded_sendfile_hooks,
+    wait_empty,
+)
+
 __all__ = ["send_file"]
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
@@ -52,18 +60,18 @@ def _send_some(sockfd: int, fd: int, offset: int, count: int) -> tuple[int, bool
 async def _writable(loop: Any, sockfd: int) -> None:
     """Wait until the socket takes bytes again. The transport owns the descriptor, so
     the public ``add_writer`` refuses it; asyncio's own ``sock_sendfile`` on a paused,
-    drained transport registers it the same way."""
+    drained transport registers it the same way (:func:`shardcache.compat.add_writer`)."""
     fut = loop.create_future()
 
     def ready() -> None:
         if not fut.done():
             fut.set_result(None)
 
-    loop._add_writer(sockfd, ready)
+    add_writer(loop, sockfd, ready)
     try:
         await fut
     finally:
-        loop._remove_writer(sockfd)
+        remove_writer(loop, sockfd)
 
 
 async def send_file(transport: Any, fobj: Any, offset: int, count: int) -> int | None:
@@ -71,13 +79,10 @@ async def send_file(transport: Any, fobj: Any, offset: int, count: int) -> int |
     worker threads; the bytes sent (fewer only when the file ended early), or None when
     this transport cannot be sent to this way (the caller falls back)."""
     sock = transport.get_extra_info("socket")
-    empty = getattr(transport, "_make_empty_waiter", None)
     loop = asyncio.get_running_loop()
     if (
         sock is None
-        or empty is None
-        or not hasattr(transport, "_reset_empty_waiter")
-        or not hasattr(loop, "_add_writer")
+        or not threaded_sendfile_hooks(loop, transport)
         or transport.get_extra_info("sslcontext") is not None
     ):
         return None
@@ -87,7 +92,7 @@ async def send_file(transport: Any, fobj: Any, offset: int, count: int) -> int |
     reading = transport.is_reading()
     transport.pause_reading()
     try:
-        await empty()  # the headers and anything written before are on the wire
+        await wait_empty(transport)  # the headers and anything written before are on the wire
         sent = 0
         while sent < count:
             if transport.is_closing():
@@ -105,6 +110,6 @@ async def send_file(transport: Any, fobj: Any, offset: int, count: int) -> int |
         # never let the caller fall back to another way of sending after bytes went out
         raise ConnectionResetError(f"sendfile failed: {exc}") from exc
     finally:
-        transport._reset_empty_waiter()
+        reset_empty_waiter(transport)
         if reading and not transport.is_closing():
             transport.resume_reading()

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -96,10 +97,15 @@ async def run_server(
                 host, port = addr[0], addr[1]
                 log.info("shardcache serving on %s://%s:%d", scheme, host, port)
         else:
-            peer = web.TCPSite(runner, "127.0.0.1", 0)  # plain HTTP: loopback, workers only
+            from proxy.app import RUNTIME
+
+            # plain HTTP on a loopback port of its own, for the other workers only; the
+            # socket is made here so that its port is known without the site's internals
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            peer = web.SockSite(runner, sock)
             await peer.start()
-            sockets = peer._server.sockets if peer._server is not None else ()
-            app[RUNTIME].internal_port = sockets[0].getsockname()[1]
+            app[RUNTIME].internal_port = sock.getsockname()[1]
             log.info("worker %d (pid %d) ready", worker, os.getpid())
             if ready is not None:
                 ready()

@@ -70,9 +70,10 @@ async def _shard(request: web.Request) -> web.StreamResponse:
     path_only = raw.partition("?")[0]
     if path_only.startswith("/-/") or path_only == "/metrics":
         if path_only in ADMIN_ROUTES:
-            exc = MethodNotAllowed(f"method {request.method} not allowed on {path_only}")
-            exc.allow = ADMIN_ROUTES[path_only]  # type: ignore[attr-defined]
-            raise exc
+            raise MethodNotAllowed(
+                f"method {request.method} not allowed on {path_only}",
+                allow=ADMIN_ROUTES[path_only],
+            )
         raise NotFound(f"no admin route {path_only}")
     if request.method not in ("GET", "HEAD"):
         try:

@@ -15,7 +15,7 @@ boundary (``raise GopenError(...) from exc``) so callers catch one family::
     │   └── StoreUnusable                                 -- the store cannot be opened for writing
     ├── dbcache.DBCacheError                              -- a DBCache file cannot be used
     ├── ConfigError (also ValueError)                     -- a bad setting; names the flag
-    └── ProxyError                                        -- carries the HTTP status to answer with
+    └── ProxyError                                        -- carries a status hint to answer with
         ├── BadRequest (400) / Forbidden (403) / NotFound (404)
         ├── MethodNotAllowed (405) / RangeNotSatisfiable (416)
         └── UpstreamError (502)                           -- the upstream failed us
@@ -26,12 +26,19 @@ boundary (``raise GopenError(...) from exc``) so callers catch one family::
             ├── DigestMismatch (502)                      -- bytes unlike the declared digest
             └── DownloadFailed (502)                      -- the download a client followed
 
-Errors that the proxy turns into responses carry ``status_hint`` (after h11's
-``ProtocolError``) and, for the S3 front, ``s3_code``: :func:`error_answer` is the one
-place that turns an error into what a client is told.
+Errors that the proxy turns into responses carry, from construction on, what a client
+must be told of them: a ``status_hint`` (after h11's ``ProtocolError``), and where they
+know more, a code (``s3_code``: an S3 store's own name for the failure), header fields,
+the size of the object a range missed, the methods allowed, or the upstream's answer to
+pass on. The library raises; the daemon maps (``proxy.errormap.error_answer``, the one
+place that turns an error into an HTTP or S3 answer).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
 
 __all__ = [
     "ShardcacheError",
@@ -59,8 +66,6 @@ __all__ = [
     "ObjectChanged",
     "DigestMismatch",
     "DownloadFailed",
-    "error_answer",
-    "s3_code_for_status",
 ]
 
 
@@ -188,28 +193,43 @@ class ConfigError(ShardcacheError, ValueError):
 
 
 class ProxyError(ShardcacheError):
-    """An error the proxy answers with ``status_hint`` and a one-line message (and, on
-    the S3 front, ``s3_code``; None: the code of the status, see :func:`error_answer`)."""
+    """An error the proxy answers with ``status_hint`` and a one-line message.
+
+    Everything else a client is told is given at construction and never changed after:
+    ``s3_code`` (an S3 store's own code for the failure, kept for the S3 front; None:
+    the daemon's code for the class or status), ``headers`` (fields of the answer, e.g.
+    a redirect's Location) and ``answer`` (the upstream's own answer, passed on as it
+    was)."""
 
     status_hint: int = 500
     s3_code: str | None = None
+    headers: Mapping[str, str] = MappingProxyType({})
     # what the upstream answered, to be passed on to the client as it was (its status,
     # end-to-end fields and a small body), when the error comes from such an answer
     answer: object | None = None
 
     def __init__(
-        self, message: str, status_hint: int | None = None, *, answer: object | None = None
+        self,
+        message: str,
+        status_hint: int | None = None,
+        *,
+        answer: object | None = None,
+        s3_code: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         if status_hint is not None:
             self.status_hint = status_hint
         if answer is not None:
             self.answer = answer
+        if s3_code is not None:
+            self.s3_code = s3_code
+        if headers:
+            self.headers = MappingProxyType(dict(headers))
 
 
 class BadRequest(ProxyError):
     status_hint = 400
-    s3_code = "InvalidRequest"
 
 
 class Forbidden(ProxyError):
@@ -217,32 +237,39 @@ class Forbidden(ProxyError):
     credentials (not the client's), so the client is never asked to authenticate."""
 
     status_hint = 403
-    s3_code = "AccessDenied"
 
 
 class NotFound(ProxyError):
     status_hint = 404
-    s3_code = "NoSuchKey"
 
 
 class MethodNotAllowed(ProxyError):
+    """A method the route does not take; ``allow`` names the ones it does."""
+
     status_hint = 405
-    s3_code = "MethodNotAllowed"
+
+    def __init__(self, message: str, *, allow: str = "GET, HEAD", **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.allow = allow
 
 
 class RangeNotSatisfiable(ProxyError):
+    """A byte range the object does not have; ``size``: the object's size, when known
+    (its answer then says ``Content-Range: bytes */size``)."""
+
     status_hint = 416
-    s3_code = "InvalidRange"
+
+    def __init__(self, message: str, *, size: int | None = None, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.size = size
 
 
 class UpstreamError(ProxyError):
     status_hint = 502
-    s3_code = "InternalError"  # S3 clients retry it, as they should a bad gateway
 
 
 class UpstreamTimeout(UpstreamError):
     status_hint = 504
-    s3_code = "RequestTimeout"
 
 
 class UpstreamThrottled(UpstreamError):
@@ -250,7 +277,6 @@ class UpstreamThrottled(UpstreamError):
     answered 503 so the client backs off too."""
 
     status_hint = 503
-    s3_code = "SlowDown"
 
 
 class UpstreamCut(UpstreamError):
@@ -280,29 +306,3 @@ class DownloadFailed(UpstreamError):
 
     def __reduce__(self):
         return (type(self), (self.url, self.cause))
-
-
-_S3_CODES = {
-    400: "InvalidRequest",
-    401: "AccessDenied",
-    403: "AccessDenied",
-    404: "NoSuchKey",
-    405: "MethodNotAllowed",
-    412: "PreconditionFailed",
-    416: "InvalidRange",
-    501: "NotImplemented",
-    503: "ServiceUnavailable",
-    504: "RequestTimeout",
-}
-
-
-def s3_code_for_status(status: int) -> str:
-    """The S3 error code that goes with an HTTP error status."""
-    return _S3_CODES.get(status, "InternalError")
-
-
-def error_answer(exc: ProxyError) -> tuple[int, str]:
-    """What a client is told about ``exc``: the HTTP status and the S3 error code."""
-    status = exc.status_hint
-    code = exc.s3_code if status == type(exc).status_hint else None
-    return status, code or s3_code_for_status(status)

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from proxy.errormap import error_answer
 from proxy.upstream.errors import s3_error, status_error
 from proxy.upstream.parts import PartsOrder, plan_parts
 from proxy.upstream.resume import (
@@ -29,7 +30,6 @@ from shardcache.errors import (
     UpstreamError,
     UpstreamThrottled,
     UpstreamTimeout,
-    error_answer,
 )
 from shardcache.meta import ObjectMeta
 
@@ -245,6 +245,11 @@ def test_same_version():
 # -- error tables --------------------------------------------------------------------------
 
 
+def told(exc: ProxyError) -> tuple[int, str]:
+    answer = error_answer(exc)
+    return answer.status, answer.code
+
+
 @pytest.mark.parametrize(
     "status,cls,answer",
     [
@@ -266,7 +271,7 @@ def test_http_status_table_and_answers(status, cls, answer):
     err = status_error(URL, status, "Reason")
     assert type(err) is cls
     assert URL in str(err)
-    assert error_answer(err) == answer
+    assert told(err) == answer
 
 
 @pytest.mark.parametrize(
@@ -287,11 +292,11 @@ def test_s3_table_uses_the_same_tree(code, status, cls):
 
 
 def test_answers_for_the_rest_of_the_tree():
-    assert error_answer(BadRequest("x")) == (400, "InvalidRequest")
-    assert error_answer(UpstreamCut("x")) == (502, "InternalError")
-    assert error_answer(DownloadFailed(URL, None)) == (502, "InternalError")
-    assert error_answer(ProxyError("token", status_hint=401)) == (401, "AccessDenied")
-    assert error_answer(ProxyError("no", status_hint=501)) == (501, "NotImplemented")
+    assert told(BadRequest("x")) == (400, "InvalidRequest")
+    assert told(UpstreamCut("x")) == (502, "InternalError")
+    assert told(DownloadFailed(URL, None)) == (502, "InternalError")
+    assert told(ProxyError("token", status_hint=401)) == (401, "AccessDenied")
+    assert told(ProxyError("no", status_hint=501)) == (501, "NotImplemented")
 
 
 # -- the order of parts ----------------------------------------------------------------------

@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
-from aiohttp.client_proto import ResponseHandler
 from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy.upstream.errors import aiohttp_error
 from proxy.upstream.transport import pump_chunks
 from shardcache._version import __version__
+from shardcache.compat import response_handler_class, response_payload, use_protocol
 from shardcache.errors import UpstreamCut, UpstreamError
 
 __all__ = ["AioTransport"]
@@ -26,7 +26,7 @@ __all__ = ["AioTransport"]
 USER_AGENT = f"shardcache/{__version__}"
 
 
-class _Handler(ResponseHandler):
+class _Handler(response_handler_class()):  # type: ignore[misc]
     """aiohttp's protocol, remembering the error a connection was lost with, and
     failing the body being read when the response cannot be parsed (aiohttp puts a
     framing error such as a bad chunk-size line only on the connection and stops the
@@ -51,7 +51,7 @@ class _Handler(ResponseHandler):
         super().connection_lost(exc)
 
     def set_exception(self, exc: BaseException, *args: Any) -> None:
-        payload = self._payload
+        payload = response_payload(self)
         super().set_exception(exc, *args)
         if payload is not None and not payload.is_eof():
             payload.set_exception(aiohttp.ClientPayloadError(f"malformed response: {exc}"))
@@ -62,7 +62,7 @@ class _Handler(ResponseHandler):
 class _Connector(aiohttp.TCPConnector):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
-        self._factory = lambda: _Handler(loop=self._loop)  # type: ignore[method-assign]
+        use_protocol(self, lambda loop: _Handler(loop=loop))
 
 
 class AioResponse:

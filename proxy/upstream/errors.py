@@ -1,7 +1,7 @@
 """Each backend's failures mapped onto the project's error tree, one table per backend.
 
 What a client is then told (HTTP status, S3 code) is decided in one place,
-:func:`shardcache.errors.error_answer`. Failures *during* a body are :class:`UpstreamCut`
+:func:`proxy.errormap.error_answer`. Failures *during* a body are :class:`UpstreamCut`
 (or :class:`UpstreamTimeout`), which a download may resume after; failures before an
 answer are final for that request.
 """
@@ -44,6 +44,7 @@ __all__ = [
     "s3_error",
     "socket_error",
     "status_error",
+    "store_error",
 ]
 
 CREDENTIALS_HINT = (
@@ -203,29 +204,45 @@ def s3_error(url: str, code: str, status: int, message: str = "") -> ProxyError:
     """The error for an S3 error response (``code`` as S3 names it, may be empty). A
     client refusal that keeps its status (NoSuchBucket, AccessDenied...) keeps the
     store's code too, for the S3 front's clients."""
-    err = _s3_error(url, code, status, message)
-    if code and not code.isdigit() and 400 <= status < 500 and status == err.status_hint:
-        err.s3_code = code
-    return err
+    cls, text = _s3_error(url, code, status, message)
+    keep = code and not code.isdigit() and 400 <= status < 500 and status == cls.status_hint
+    return cls(text, s3_code=code if keep else None)
 
 
-def _s3_error(url: str, code: str, status: int, message: str) -> ProxyError:
+def _s3_error(url: str, code: str, status: int, message: str) -> tuple[type[ProxyError], str]:
     detail = f"{code or status}" + (f": {message}" if message and message != code else "")
     cls = _S3_CODES.get(code) or _S3_CODES.get(str(status))
     if cls is Forbidden:
-        return Forbidden(f"{url}: S3 denied access ({detail}); {CREDENTIALS_HINT}")
+        return Forbidden, f"{url}: S3 denied access ({detail}); {CREDENTIALS_HINT}"
     if cls is NotFound:
-        return NotFound(f"{url}: not found in S3 ({detail})")
+        return NotFound, f"{url}: not found in S3 ({detail})"
     if cls is UpstreamThrottled:
-        return UpstreamThrottled(f"{url}: S3 is throttling or unavailable ({detail})")
+        return UpstreamThrottled, f"{url}: S3 is throttling or unavailable ({detail})"
     if cls is not None:
-        return cls(f"{url}: S3 answered {detail}")
+        return cls, f"{url}: S3 answered {detail}"
     if code in ("PermanentRedirect", "AuthorizationHeaderMalformed") or status == 301:
-        return UpstreamError(
+        return UpstreamError, (
             f"{url}: S3 says the bucket is in another region or endpoint ({detail}); "
             "set --s3-region/--s3-endpoint-url"
         )
-    return UpstreamError(f"{url}: S3 error ({detail})")
+    return UpstreamError, f"{url}: S3 error ({detail})"
+
+
+_CODE_RE = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
+_MESSAGE_RE = re.compile(rb"<Message>([^<]{0,1024})</Message>")
+
+
+def store_error(body: bytes) -> tuple[str | None, str | None]:
+    """The code and message of an S3 ``<Error>`` document (an upstream store's answer),
+    or None for each when ``body`` is not one."""
+    head = body[:65536]
+    if b"<Error>" not in head:
+        return None, None
+    code, message = _CODE_RE.search(head), _MESSAGE_RE.search(head)
+    return (
+        code.group(1).decode() if code else None,
+        message.group(1).decode("utf-8", "replace") if message else None,
+    )
 
 
 def botocore_error(url: str, exc: BaseException, *, body: bool) -> ProxyError:
@@ -351,5 +368,8 @@ class UpstreamRedirect(ProxyError):
         # absolute, so that the client follows it to the upstream's target, not to a path
         # of the proxy that maps somewhere else
         location = urljoin(url, location)
-        super().__init__(f"upstream {url} redirects to {location}", status_hint=status)
-        self.headers = {"Location": location, "X-Cache": "BYPASS"}
+        super().__init__(
+            f"upstream {url} redirects to {location}",
+            status_hint=status,
+            headers={"Location": location, "X-Cache": "BYPASS"},
+        )

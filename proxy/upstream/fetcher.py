@@ -272,9 +272,7 @@ class Fetcher:
                 total = None
             if total is None or total > first_byte:
                 return None  # no size told, or a sloppy 416: from part 0
-            exc = RangeNotSatisfiable(f"{url}: {total} bytes, none at {first_byte}")
-            exc.headers = {"Content-Range": f"bytes */{total}"}  # type: ignore[attr-defined]
-            raise exc
+            raise RangeNotSatisfiable(f"{url}: {total} bytes, none at {first_byte}", size=total)
         if resp.status == 200:
             # Range ignored (whatever Accept-Ranges claims): the whole object in one
             # stream, no part asked of an origin that answers every range with all of it
@@ -412,9 +410,9 @@ class Fetcher:
                     total = None
                 if total is None:
                     total = (await self.head(url)).size
-                exc = RangeNotSatisfiable(f"range {header!r} not satisfiable for {total} bytes")
-                exc.headers = {"Content-Range": f"bytes */{total}"}  # type: ignore[attr-defined]
-                raise exc
+                raise RangeNotSatisfiable(
+                    f"range {header!r} not satisfiable for {total} bytes", size=total
+                )
             check_framing(url, resp.status, resp.headers)
             meta = ObjectMeta.from_headers(resp.headers, resp.status)
             if meta.size is None:
@@ -422,8 +420,7 @@ class Fetcher:
             try:
                 wanted = parse_range(header, meta.size)
             except RangeNotSatisfiable as exc:  # an origin answering 200 to what it cannot serve
-                exc.headers = {"Content-Range": f"bytes */{meta.size}"}  # type: ignore[attr-defined]
-                raise
+                raise RangeNotSatisfiable(str(exc), size=meta.size) from None
             if wanted is None:
                 raise UpstreamError(f"upstream {url}: {header!r} is not a single byte range")
             if resp.status == 200:

@@ -36,7 +36,6 @@ from shardcache.errors import (
     ConfigError,
     ObjectChanged,
     ProxyError,
-    RangeNotSatisfiable,
     UpstreamCut,
     UpstreamError,
 )
@@ -53,6 +52,11 @@ __all__ = [
     "join_key",
     "parse_s3_url",
 ]
+
+
+def _status(resp: dict) -> int:
+    """The HTTP status of botocore's answer ``resp`` (or of its error answer)."""
+    return int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 200))
 
 
 def _fields(resp: dict) -> tuple[tuple[str, str], ...]:
@@ -274,12 +278,26 @@ class S3Upstream:
             raise RuntimeError("S3Upstream not started")
         return self._client
 
-    async def _call(self, url: str, op: str, retry: RetryPolicy | None, **params: Any) -> dict:
-        """``op`` on the client, retried by ``retry`` (None: this client's policy)."""
+    async def _call(
+        self,
+        url: str,
+        op: str,
+        retry: RetryPolicy | None,
+        answers: tuple[int, ...] = (),
+        **params: Any,
+    ) -> dict:
+        """``op`` on the client, retried by ``retry`` (None: this client's policy). S3's
+        error answers with a status in ``answers`` are returned as answers (botocore's
+        reading of them), not raised."""
+        from botocore.exceptions import ClientError
 
         async def once() -> dict:
             try:
                 return await getattr(self.client, op)(**params)
+            except ClientError as exc:
+                if answers and _status(exc.response) in answers:
+                    return exc.response
+                raise botocore_error(url, exc, body=False) from exc
             except Exception as exc:
                 raise botocore_error(url, exc, body=False) from exc
 
@@ -317,12 +335,15 @@ class S3Upstream:
         *,
         quoted: bool = False,
         retry: RetryPolicy | None = None,
+        answers: tuple[int, ...] = (),
     ) -> S3Response:
         """GET ``s3://bucket/key``, optionally a byte range and pinned to an ETag.
 
         ``range`` is ``(first, last_inclusive_or_None)`` or a Range header value;
         ``quoted`` as in :func:`parse_s3_url`; ``retry`` as for :meth:`head`. The returned
-        response streams; close it when done.
+        response streams; close it when done. ``answers``: statuses among 412 and 416
+        that S3 may answer with, as an HTTP origin would (no body; a 416 with the size
+        from a HEAD); otherwise they raise ObjectChanged and RangeNotSatisfiable.
         """
         loc = parse_s3_url(url, quoted=quoted)
         params: dict[str, Any] = loc.params()
@@ -331,8 +352,13 @@ class S3Upstream:
             params["Range"] = header
         if if_match:
             params["IfMatch"] = if_match
-        resp = await self._call(url, "get_object", retry, **params)
-        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 200)
+        resp = await self._call(url, "get_object", retry, answers, **params)
+        status = _status(resp)
+        if status == 412:
+            return S3Response(url, 412, ObjectMeta(size=None), 0, 0)
+        if status == 416:
+            meta = await self.head(url, if_match=if_match, quoted=quoted, retry=retry)
+            return S3Response(url, 416, meta, 0, 0)
         length = int(resp["ContentLength"])
         if status == 206 and resp.get("ContentRange"):
             try:
@@ -446,15 +472,9 @@ class S3Transport:
             return await self._threaded_get(
                 url, {**headers, **({"If-Match": if_match} if if_match else {})}
             )
-        try:
-            return await self.s3.open(
-                url, headers.get("Range"), if_match, quoted=True, retry=NO_RETRY
-            )
-        except RangeNotSatisfiable:
-            meta = await self.s3.head(url, if_match=if_match, quoted=True, retry=NO_RETRY)
-            return S3Response(url, 416, meta, 0, 0)
-        except ObjectChanged:
-            return S3Response(url, 412, ObjectMeta(size=None), 0, 0)
+        return await self.s3.open(
+            url, headers.get("Range"), if_match, quoted=True, retry=NO_RETRY, answers=(412, 416)
+        )
 
     async def close(self) -> None:
         await self.s3.close()

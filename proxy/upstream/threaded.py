@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 from proxy.upstream.aio import USER_AGENT
 from proxy.upstream.errors import socket_error
 from proxy.upstream.transport import write_all
+from shardcache.compat import InterimSkippingResponse
 from shardcache.errors import UpstreamError
 
 __all__ = ["ThreadTransport", "threadable"]
@@ -45,19 +46,6 @@ def threadable(url: str) -> bool:
     (aiohttp turns those into Basic auth)."""
     u = urlsplit(url)
     return u.scheme.lower() in ("http", "https") and not (u.username or u.password)
-
-
-class _FinalResponse(http.client.HTTPResponse):
-    """An ``http.client`` response that skips every interim 1xx answer (103 Early Hints,
-    102 Processing), as HTTP requires of a client; http.client itself skips only 100."""
-
-    def _read_status(self) -> tuple[str, int, str]:
-        while True:
-            version, status, reason = super()._read_status()  # type: ignore[misc]
-            if 100 < status < 200 and status != 101:
-                http.client._read_headers(self.fp)  # type: ignore[attr-defined]
-                continue
-            return version, status, reason
 
 
 class _SinkError(Exception):
@@ -442,7 +430,7 @@ class ThreadTransport:
             )
         else:
             conn = http.client.HTTPConnection(host, u.port, timeout=self.connect_timeout)
-        conn.response_class = _FinalResponse
+        conn.response_class = InterimSkippingResponse
         try:
             try:
                 conn.connect()

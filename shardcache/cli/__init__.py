@@ -18,6 +18,7 @@ from typing import NoReturn
 
 from shardcache._version import __version__
 from shardcache.cli.argtree import actions, is_subcommands, subcommands
+from shardcache.compat import HintingParser
 from shardcache.errors import ShardcacheError
 
 # Modules that contribute subcommands, in the order they appear in --help.
@@ -94,18 +95,12 @@ def short_usage(parser: argparse.ArgumentParser, width: int = 100) -> str:
     return f"usage: {' '.join(words)}  ({parser.prog} --help lists the options)"
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(HintingParser):
     """An ArgumentParser whose subcommand errors name the closest subcommand; the
     subparsers it makes are of this class too."""
 
-    def _check_value(self, action: argparse.Action, value: object) -> None:
-        if (
-            isinstance(action, argparse._SubParsersAction)
-            and isinstance(value, str)
-            and value not in action.choices
-        ):
-            raise argparse.ArgumentError(action, closest_command(value, list(action.choices)))
-        super()._check_value(action, value)
+    def unknown_subcommand(self, value: str, choices: Sequence[str]) -> str | None:
+        return closest_command(value, list(choices))
 
     def error(self, message: str) -> NoReturn:
         """One short usage line and the error, not the whole usage of every flag."""

@@ -1,22 +1,24 @@
-"""The one place the command line reads argparse's parser tree (its actions and
-subcommands), which argparse keeps in private attributes: short usage lines, the
-closest-flag hints and the shell completion scripts all walk the tree through here."""
+"""The command line's view of argparse's parser tree (its actions and subcommands):
+short usage lines, the closest-flag hints and the shell completion scripts walk the tree
+through here; the private attributes behind it are read in :mod:`shardcache.compat`."""
 
 from __future__ import annotations
 
 import argparse
+
+from shardcache import compat
 
 __all__ = ["actions", "is_subcommands", "subcommands"]
 
 
 def actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     """The actions of ``parser`` (options, positionals, subcommands), in the order added."""
-    return list(parser._actions)
+    return compat.parser_actions(parser)
 
 
 def is_subcommands(action: argparse.Action) -> bool:
     """Whether ``action`` is the subcommand chooser of its parser."""
-    return isinstance(action, argparse._SubParsersAction)
+    return isinstance(action, compat.SubParsersAction)
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -31,5 +33,5 @@ def subcommand_help(parser: argparse.ArgumentParser) -> dict[str, str]:
     """The one-line help of each subcommand of ``parser``."""
     for action in actions(parser):
         if is_subcommands(action):
-            return {a.dest: a.help or "" for a in action._choices_actions}
+            return compat.subcommand_help(action)
     return {}

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Iterable
 
 from shardcache.cli.common import CACHE_DIR_ENV, add_option, cache_dir_arg
+from shardcache.compat import SubParsersAction
 from shardcache.sizes import format_size
 from shardcache.store import DEL_SUFFIX, INDEX_NAME, PART_SUFFIX, Store
 
@@ -108,7 +109,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     return status
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: SubParsersAction) -> None:
     """Add the ``check`` subcommand."""
     c = subparsers.add_parser(
         "check",

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from shardcache.cli.argtree import actions, is_subcommands, subcommand_help, subcommands
+from shardcache.compat import SubParsersAction
 
 SHELLS = ("bash", "zsh")
 _FILE_METAVAR = re.compile(r"(^|[^A-Z])(PATH|FILE|DIR)([^A-Z]|$)")
@@ -244,7 +245,7 @@ def cmd_completion(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: SubParsersAction) -> None:
     """Add the ``completion`` subcommand."""
     p = subparsers.add_parser(
         "completion",

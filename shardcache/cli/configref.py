@@ -8,13 +8,14 @@ import argparse
 from collections.abc import Sequence
 
 from shardcache.cli.common import OptionDoc, ToolError
+from shardcache.compat import AppendAction, HelpAction, SubParsersAction, parser_actions
 
 # --------------------------------------------------------------------------- configuration
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+    for action in parser_actions(parser):
+        if isinstance(action, SubParsersAction) and name in action.choices:
             return action.choices[name]
     raise ToolError(f"no {name!r} subcommand in the CLI")
 
@@ -55,8 +56,8 @@ def option_rows(parser: argparse.ArgumentParser) -> list[tuple[str, str, str, st
     and default as they are. A help line that names a default or a variable without
     that record is an error: the reference does not parse help text."""
     rows = []
-    for action in parser._actions:
-        if isinstance(action, argparse._HelpAction) or not action.option_strings:
+    for action in parser_actions(parser):
+        if isinstance(action, HelpAction) or not action.option_strings:
             continue
         flag = max(action.option_strings, key=len)
         if isinstance(action, argparse.BooleanOptionalAction):
@@ -78,7 +79,7 @@ def option_rows(parser: argparse.ArgumentParser) -> list[tuple[str, str, str, st
             default = "required"
         if action.choices:
             text += " (one of: " + ", ".join(map(str, action.choices)) + ")"
-        if isinstance(action, argparse._AppendAction):
+        if isinstance(action, AppendAction):
             text += " (repeatable)" if "repeatable" not in text else ""
         rows.append((flag, env, default, " ".join(text.split())))
     return rows

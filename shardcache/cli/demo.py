@@ -17,6 +17,7 @@ from pathlib import Path
 
 from shardcache.cli.common import add_option
 from shardcache.cli.demodata import make_shards, origin
+from shardcache.compat import SubParsersAction
 
 __all__ = ["register", "library_demo", "make_shards", "origin"]
 
@@ -84,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
     return proxy_demo(shards=args.shards, samples=args.samples)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: SubParsersAction) -> None:
     """Add the ``demo`` subcommand."""
     parser = subparsers.add_parser(
         "demo",

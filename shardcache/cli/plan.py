@@ -25,6 +25,7 @@ from shardcache.cli.common import (
     no_proxy_error,
     print_table,
 )
+from shardcache.compat import SubParsersAction
 from shardcache.plans import TOKEN_ENV, Plan, PlanError, delete_plan, list_plans
 
 # --------------------------------------------------------------------------- pure helpers
@@ -220,7 +221,7 @@ def _list(proxy: str, as_json: bool) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: SubParsersAction) -> None:
     """Add the ``plan`` subcommand."""
     p = subparsers.add_parser(
         "plan",

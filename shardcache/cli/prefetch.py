@@ -32,6 +32,7 @@ from shardcache.cli.common import (
     probe_proxy,
     proxy_url,
 )
+from shardcache.compat import SubParsersAction
 from shardcache.errors import ShardcacheError
 
 # --------------------------------------------------------------------------- prefetch
@@ -423,7 +424,7 @@ def _interrupted(proxy: str, progress: Progress, t0: float) -> int:
     return 130
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: SubParsersAction) -> None:
     """Add the ``prefetch`` subcommand."""
     p = subparsers.add_parser(
         "prefetch",

@@ -23,6 +23,7 @@ from shardcache.cli.common import (
     no_proxy_error,
     print_table,
 )
+from shardcache.compat import SubParsersAction
 
 # --------------------------------------------------------------------------- stats
 
@@ -138,7 +139,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: SubParsersAction) -> None:
     """Add the ``stats`` and ``ls`` subcommands."""
     s = subparsers.add_parser(
         "stats",

@@ -27,6 +27,7 @@ from shardcache.cli.common import (
     human_bytes,
     no_proxy_error,
 )
+from shardcache.compat import SubParsersAction
 from shardcache.urls import PROXY_ENV
 
 REWRITE_ENV = "GOPEN_REWRITE"  # webdataset's prefix rewriting (webdataset.gopen.rewrite_url)
@@ -258,7 +259,7 @@ def cmd_where(args: argparse.Namespace) -> int:
     return 1 if report.warnings or report.errors else 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: SubParsersAction) -> None:
     """Add the ``where`` subcommand."""
     p = subparsers.add_parser(
         "where",

@@ -149,6 +149,25 @@ async def test_if_match_mismatch_is_object_changed(s3):
     assert SMALL in str(ei.value)
 
 
+async def test_the_stores_412_and_416_are_answers_for_the_transport(s3):
+    """S3's own 412 and 416 reach the upstream layer as answers, as an HTTP origin's
+    would (the 416 with the object's size), never as exceptions made into responses;
+    a direct caller of ``open`` gets them as errors."""
+    size = len(OBJECTS["shards/small.tar"])
+    other = '"0123456789abcdef0123456789abcdef"'
+    resp = await s3.open(SMALL, range=(0, 9), if_match=other, answers=(412, 416))
+    assert (resp.status, resp.length) == (412, 0)
+    resp = await s3.open(SMALL, range=f"bytes={size + 10}-", answers=(412, 416))
+    assert (resp.status, resp.headers["Content-Range"]) == (416, f"bytes */{size}")
+    with pytest.raises(RangeNotSatisfiable):
+        await s3.open(SMALL, range=f"bytes={size + 10}-")
+    transport = S3Transport(s3)
+    resp = await transport.request("GET", SMALL, {"Range": f"bytes={size}-", "If-Match": other})
+    assert resp.status == 412
+    resp = await transport.request("GET", SMALL, {"Range": f"bytes={size + 1}-"})
+    assert (resp.status, resp.headers["Content-Range"]) == (416, f"bytes */{size}")
+
+
 async def test_missing_key_and_bucket(s3):
     with pytest.raises(NotFound, match="NoSuchKey"):
         await s3.open(f"s3://{BUCKET}/nope.tar")
