@@ -50,7 +50,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 PRELOAD = Path(__file__).resolve().parent / "http_cache_tests_preload.mjs"
 KNOWN = Path(__file__).resolve().parent / "http_cache_tests_known.json"
-MODES = ("never", "always")
+MODES = ("never", "always", "http")
 REFERENCES = {"nginx": "nginx.json", "Varnish": "varnish.json"}
 
 # Groups (the suite's test-file ids) left out of the "outside freshness" figure: those

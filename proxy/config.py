@@ -471,8 +471,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "revalidate",
         None,
-        "never (shards are immutable), always, or an age such as 10m after which a hit asks "
-        "the upstream whether it changed",
+        "never (shards are immutable), always, http (reuse while fresh by the upstream's "
+        "Cache-Control, Expires or Last-Modified, RFC 9111), or an age such as 10m after "
+        "which a hit asks the upstream whether it changed",
         parse_revalidate,
         none_means="never",
     ),
@@ -688,7 +689,8 @@ class Settings:
     tls_cert: Path | None = DEFAULTS["tls_cert"]
     tls_key: Path | None = DEFAULTS["tls_key"]
     min_free: int | float | None = DEFAULTS["min_free"]  # bytes, a fraction, or None
-    revalidate: float | None = DEFAULTS["revalidate"]  # None: never; 0: always; else max age
+    # None: never; 0: always; "http": RFC 9111 freshness; else max age
+    revalidate: float | str | None = DEFAULTS["revalidate"]
     store_probe_interval: float = DEFAULTS["store_probe_interval"]
     workers: int = DEFAULTS["workers"]
 

@@ -13,7 +13,8 @@ a download of the object runs in this process           JOIN it (COALESCED; HIT 
                                                         every byte is verified)
 not yet looked up                                       LOOKUP the entry
 the index could not be read                             BYPASS (answer from the upstream)
-an entry, revalidation due and not yet asked            REVALIDATE
+an entry, revalidation due or stale by HTTP            REVALIDATE
+(--revalidate http), and not yet asked
 an entry (fresh, or confirmed)                          HIT (ENTRY_GONE when its file is
                                                         gone: forget it, look up again)
 the store takes no writes                               BYPASS
@@ -76,6 +77,7 @@ class Facts:
     entry: bool = False  # a committed entry was found
     entry_gone: bool = False  # ... but its file turned out missing or replaced
     revalidation_due: bool = False  # --revalidate says so, or the answer said no-cache
+    fresh: bool = True  # the entry is fresh by RFC 9111 (only --revalidate http asks)
     revalidated: bool = False  # the upstream was asked (fresh: the entry stands)
     writable: bool = True  # the store takes writes
     cold_tried: bool = False  # the cold shortcuts were tried and declined
@@ -98,7 +100,7 @@ def decide(f: Facts) -> Step:
     if f.entry:
         if f.entry_gone:
             return Step.ENTRY_GONE
-        if f.revalidation_due and not f.revalidated:
+        if (f.revalidation_due or not f.fresh) and not f.revalidated:
             return Step.REVALIDATE
         return Step.HIT
     if not f.writable:

@@ -43,11 +43,15 @@ from proxy.peers import (
 )
 from proxy.plans import PLAN_HEADER
 from proxy.policy import (
+    REVALIDATE_HTTP,
+    current_age,
     forwarded_fields,
+    is_fresh,
     map_request,
     must_revalidate_each_use,
     needs_revalidation,
     should_admit,
+    stale_needs_upstream,
 )
 from proxy.policy import range_start as _range_start  # where a client's range begins
 from proxy.upstream import ObjectMeta, UpstreamBody
@@ -115,15 +119,20 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                     log.error("cache lookup of %s failed, passing it through: %s", url, exc)
                     facts = facts.learn(looked_up=True, lookup_failed=True)
                     continue
+                now = time.time()
                 due = entry is not None and (
-                    needs_revalidation(s.revalidate, entry.validated, time.time())
-                    or must_revalidate_each_use(entry.meta.cache_control)
-                    or must_revalidate_each_use(entry.meta.field("CDN-Cache-Control"))
+                    needs_revalidation(s.revalidate, entry.validated, now) or _no_cache(entry)
+                )
+                fresh = (
+                    entry is None
+                    or s.revalidate != REVALIDATE_HTTP
+                    or is_fresh(entry.fields, entry.last_modified, entry.validated, now)
                 )
                 facts = facts.learn(
                     looked_up=True,
                     entry=entry is not None,
                     revalidation_due=due,
+                    fresh=fresh,
                     writable=health.writable,
                 )
                 if entry is None:
@@ -206,6 +215,27 @@ async def _shard(request: web.Request) -> web.StreamResponse:
     raise UpstreamError(f"{url}: entry keeps disappearing; try again")
 
 
+def _no_cache(entry: Entry) -> bool:
+    """Whether the entry's answer said ``no-cache`` (Cache-Control or CDN-Cache-Control):
+    every reuse asks the upstream first, in every ``--revalidate`` mode."""
+    return must_revalidate_each_use(entry.meta.cache_control) or must_revalidate_each_use(
+        entry.meta.field("CDN-Cache-Control")
+    )
+
+
+def _must_not_serve_stale(app: web.Application, entry: Entry) -> bool:
+    """With ``--revalidate http``: whether the entry may not be served when the upstream
+    cannot be asked (RFC 9111 4.2.4): it is stale and says ``must-revalidate``,
+    ``proxy-revalidate`` or ``s-maxage``, or it says ``no-cache``. The other modes serve
+    the cached copy (shards are immutable unless the operator says otherwise)."""
+    if app[SETTINGS].revalidate != REVALIDATE_HTTP:
+        return False
+    if _no_cache(entry):
+        return True
+    stale = not is_fresh(entry.fields, entry.last_modified, entry.validated, time.time())
+    return stale and stale_needs_upstream(entry.fields)
+
+
 async def _revalidate(request: web.Request, url: str, entry: Entry) -> Entry | None:
     """Ask the upstream whether an aged entry is current (one request however many
     clients ask at once). The entry when it is (a 304); None when it changed (it is
@@ -215,18 +245,24 @@ async def _revalidate(request: web.Request, url: str, entry: Entry) -> Entry | N
     pending: dict[str, asyncio.Task] = app[RUNTIME].revalidating
     task = pending.get(url)
     if task is None:
-        task = asyncio.get_running_loop().create_task(_ask_upstream(app, url, entry))
+        fields = forwarded_fields(request.headers)
+        task = asyncio.get_running_loop().create_task(_ask_upstream(app, url, entry, fields))
         pending[url] = task
         task.add_done_callback(lambda _: pending.pop(url, None))
     return await asyncio.shield(task)
 
 
-async def _ask_upstream(app: web.Application, url: str, entry: Entry) -> Entry | None:
+async def _ask_upstream(
+    app: web.Application, url: str, entry: Entry, fields: dict[str, str]
+) -> Entry | None:
     m, store = app[METRICS], app[STORE]
     try:
-        answer = await app[FETCHER].revalidate(url, entry.meta)
+        answer = await app[FETCHER].revalidate(url, entry.meta, fields)
     except ProxyError as exc:
         m.revalidations.labels(result="error").inc()
+        if _must_not_serve_stale(app, entry):
+            log.warning("cannot revalidate %s (%s); its answer forbids serving it stale", url, exc)
+            raise
         log.warning("cannot revalidate %s (%s); serving the cached copy", url, exc)
         return entry
     m.revalidations.labels(result=answer.result).inc()
@@ -264,8 +300,9 @@ async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse |
     body = _EntryBody(request, entry)
     if not body.open():
         return None
-    # how long ago the upstream last vouched for these bytes (RFC 9111 5.1)
-    age = {"Age": str(max(0, int(time.time() - entry.validated)))}
+    # the upstream's Age when it last vouched for these bytes, or their apparent age
+    # by its Date, plus the time since (RFC 9111 4.2.3, 5.1)
+    age = {"Age": str(int(current_age(entry.fields, entry.validated, time.time())))}
     return await _answer(request, entry.meta, XCache.HIT, entry.size, body, age)
 
 

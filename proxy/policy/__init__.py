@@ -18,9 +18,15 @@ Every name is importable from ``proxy.policy`` itself.
 from __future__ import annotations
 
 from proxy.policy.freshness import (
+    REVALIDATE_HTTP,
+    current_age,
+    describe_revalidate,
+    freshness_lifetime,
+    is_fresh,
     must_revalidate_each_use,
     needs_revalidation,
     parse_revalidate,
+    stale_needs_upstream,
 )
 from proxy.policy.headers import (
     HARMLESS_VARY,
@@ -61,14 +67,19 @@ __all__ = [
     "HARMLESS_VARY",
     "HOP_BY_HOP",
     "NOT_FORWARDED",
+    "REVALIDATE_HTTP",
     "SIGNATURE_FAMILIES",
     "ByteRange",
     "Upstream",
     "cache_control_forbids",
     "conditional_status",
+    "current_age",
+    "describe_revalidate",
     "end_to_end_headers",
     "format_size",
     "forwarded_fields",
+    "freshness_lifetime",
+    "is_fresh",
     "map_request",
     "map_url",
     "must_revalidate_each_use",
@@ -81,6 +92,7 @@ __all__ = [
     "range_applies",
     "range_start",
     "should_admit",
+    "stale_needs_upstream",
     "unsigned_url",
     "vary_forbids",
 ]
