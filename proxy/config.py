@@ -356,6 +356,10 @@ def _header_credentials(values: list[str] | str) -> tuple[Credential, ...]:
     return _credential_list(values, bearer=False)
 
 
+def _upstream_names(values: list[str]) -> tuple[str, ...]:
+    return tuple(v.strip() for v in values if v.strip())
+
+
 def _hosts(values: list[str]) -> tuple[str, ...]:
     return tuple(h.lower() for h in values)
 
@@ -431,6 +435,16 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="[NAME=]HEADER:env:VAR|file:PATH",
         many=True,
         split_flag=False,
+    ),
+    Setting(
+        "forward_credentials",
+        (),
+        "upstream (NAME, - for the unnamed one, * for all) that gets clients' Authorization "
+        "and Cookie; a request carrying them is then answered by the upstream for that "
+        "client alone, never stored or shared (a stored entry still serves it); repeatable",
+        _upstream_names,
+        metavar="NAME",
+        many=True,
     ),
     Setting("cache_dir", None, "directory of the on-disk store", _cache_dir, required=True),
     Setting(
@@ -659,6 +673,7 @@ class Settings:
     strip_signatures: str = DEFAULTS["strip_signatures"]
     upstream_auth: tuple[Credential, ...] = DEFAULTS["upstream_auth"]
     upstream_headers: tuple[Credential, ...] = DEFAULTS["upstream_headers"]
+    forward_credentials: tuple[str, ...] = DEFAULTS["forward_credentials"]
     log_level: str = DEFAULTS["log_level"]
     eviction: str = DEFAULTS["eviction"]
     connect_timeout: float = DEFAULTS["connect_timeout"]
@@ -832,6 +847,10 @@ def _check_together(s: Settings) -> None:
                 c.source.check()
             except ValueError as exc:
                 raise ConfigError(flag, f"{c}: {exc}") from None
+    known = {u.name or "-" for u in s.upstreams} | {"*"}
+    for name in s.forward_credentials:
+        if name not in known:
+            raise ConfigError("--forward-credentials", f"no upstream named {name}")
     if s.s3_front_access_key and not s.s3_front_secret_key:
         raise ConfigError("--s3-front-secret-key", "required with --s3-front-access-key")
     if s.s3_front_secret_key and not s.s3_front_access_key:

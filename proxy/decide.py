@@ -17,6 +17,7 @@ an entry, revalidation due or stale by HTTP            REVALIDATE
 (--revalidate http), and not yet asked
 an entry (fresh, or confirmed)                          HIT (ENTRY_GONE when its file is
                                                         gone: forget it, look up again)
+credentials forwarded (--forward-credentials)           BYPASS (the answer is this client's)
 the store takes no writes                               BYPASS
 the cold shortcuts not yet tried (HEAD, a far Range)    COLD (answers, or declines)
 several workers, no claim yet                           CLAIM the download across them
@@ -80,6 +81,7 @@ class Facts:
     fresh: bool = True  # the entry is fresh by RFC 9111 (only --revalidate http asks)
     revalidated: bool = False  # the upstream was asked (fresh: the entry stands)
     writable: bool = True  # the store takes writes
+    private: bool = False  # the client's credentials go to the upstream: its answer is its own
     cold_tried: bool = False  # the cold shortcuts were tried and declined
     shared: bool = False  # several workers share the port, and this request is not forwarded
     claim: Claim | None = None
@@ -103,7 +105,7 @@ def decide(f: Facts) -> Step:
         if (f.revalidation_due or not f.fresh) and not f.revalidated:
             return Step.REVALIDATE
         return Step.HIT
-    if not f.writable:
+    if f.private or not f.writable:
         return Step.BYPASS
     if not f.cold_tried:
         return Step.COLD

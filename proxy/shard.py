@@ -44,6 +44,8 @@ from proxy.peers import (
 from proxy.plans import PLAN_HEADER
 from proxy.policy import (
     REVALIDATE_HTTP,
+    carries_credentials,
+    credentials_forwarded,
     current_age,
     forwarded_fields,
     is_fresh,
@@ -80,11 +82,16 @@ async def _shard(request: web.Request) -> web.StreamResponse:
     if request.method not in ("GET", "HEAD"):
         raise MethodNotAllowed(f"method {request.method} not allowed; use GET or HEAD")
     url = map_request(raw, s.upstreams, s.allow_hosts, s.max_path_length)
+    # the client's credentials go to the upstream only where the operator allows it, and
+    # then the answer is this client's alone: never stored, never shared (RFC 9111 3.5)
+    private = carries_credentials(request.headers) and credentials_forwarded(
+        url, s.upstreams, s.forward_credentials
+    )
     if path_only.endswith("/") and len(path_only) > 1:
         # a directory (listing), not a shard: forwarded with its slash, never cached
         base, sep, query = url.partition("?")
         return await _serve_bypass(
-            request, (base if base.endswith("/") else base + "/") + sep + query
+            request, (base if base.endswith("/") else base + "/") + sep + query, private=private
         )
     store = request.app[STORE]
     inflight = request.app[INFLIGHT]
@@ -134,6 +141,7 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                     revalidation_due=due,
                     fresh=fresh,
                     writable=health.writable,
+                    private=private,
                 )
                 if entry is None:
                     request[T_READY] = "miss"
@@ -161,7 +169,7 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                 store.forget(entry.key)
                 break
             elif step is Step.BYPASS:
-                return await _serve_bypass(request, url)
+                return await _serve_bypass(request, url, private=private)
             elif step is Step.COLD:
                 resp = await _serve_cold(request, url)
                 if resp is not None:
@@ -319,10 +327,11 @@ async def _serve_download(request: web.Request, dl: Download, cache: str) -> web
 
 
 async def _serve_bypass(
-    request: web.Request, url: str, dl: Download | None = None
+    request: web.Request, url: str, dl: Download | None = None, *, private: bool = False
 ) -> web.StreamResponse:
     """Stream ``url`` from the upstream to this client alone, uncached (X-Cache: BYPASS):
-    the body a bypassed download already opened, or a request of its own."""
+    the body a bypassed download already opened, or a request of its own (``private``:
+    with the client's credentials)."""
     fetcher = request.app[FETCHER]
     body: UpstreamBody | None = None
     if request.method == "GET" or dl is None:
@@ -330,7 +339,9 @@ async def _serve_bypass(
         if body is None:
             since = time.monotonic()
             try:
-                body = await fetcher.open(url, forwarded_fields(request.headers))
+                body = await fetcher.open(
+                    url, forwarded_fields(request.headers, credentials=private)
+                )
             finally:
                 _waited(request, since)
     try:

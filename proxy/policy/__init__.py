@@ -29,10 +29,13 @@ from proxy.policy.freshness import (
     stale_needs_upstream,
 )
 from proxy.policy.headers import (
+    CREDENTIALS,
     HARMLESS_VARY,
     HOP_BY_HOP,
     NOT_FORWARDED,
     cache_control_forbids,
+    carries_credentials,
+    credentials_forwarded,
     end_to_end_headers,
     forwarded_fields,
     should_admit,
@@ -63,6 +66,7 @@ from proxy.policy.urls import (
 
 __all__ = [
     "BARE_SIZE_MIN",
+    "CREDENTIALS",
     "DEFAULT_REDIRECT_HOSTS",
     "HARMLESS_VARY",
     "HOP_BY_HOP",
@@ -72,6 +76,8 @@ __all__ = [
     "ByteRange",
     "Upstream",
     "cache_control_forbids",
+    "carries_credentials",
+    "credentials_forwarded",
     "conditional_status",
     "current_age",
     "describe_revalidate",

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from proxy.policy.urls import Upstream
+
 __all__ = [
+    "CREDENTIALS",
     "HARMLESS_VARY",
     "HOP_BY_HOP",
     "NOT_FORWARDED",
     "cache_control_forbids",
+    "carries_credentials",
+    "credentials_forwarded",
     "end_to_end_headers",
     "forwarded_fields",
     "should_admit",
@@ -50,18 +55,50 @@ NOT_FORWARDED = frozenset(
 )
 
 
-def forwarded_fields(headers: Mapping[str, str]) -> dict[str, str]:
+# A client's credentials: forwarded only to an upstream the operator names in
+# ``--forward-credentials``, and then the answer is that client's alone (never stored,
+# never shared: RFC 9111 3.5).
+CREDENTIALS = frozenset({"authorization", "cookie"})
+
+
+def forwarded_fields(headers: Mapping[str, str], *, credentials: bool = False) -> dict[str, str]:
     """The end-to-end fields of a client's request that go on to the upstream with a
     miss (see :data:`NOT_FORWARDED`; also those its ``Connection`` names, the proxy's
-    own ``X-Shardcache-*`` fields and the S3 front's SigV4 fields)."""
+    own ``X-Shardcache-*`` fields and the S3 front's SigV4 fields). ``credentials``:
+    the client's ``Authorization`` and ``Cookie`` go too (:data:`CREDENTIALS`)."""
     named = {t.strip().lower() for t in (headers.get("Connection") or "").split(",")}
     out: dict[str, str] = {}
     for k, v in headers.items():
         low = k.lower()
+        if credentials and low in CREDENTIALS and low not in named:
+            out[k] = f"{out[k]}, {v}" if k in out else v
+            continue
         if low in NOT_FORWARDED or low in named or low.startswith(("x-shardcache-", "x-amz-")):
             continue
         out[k] = f"{out[k]}, {v}" if k in out else v
     return out
+
+
+def carries_credentials(headers: Mapping[str, str]) -> bool:
+    """Whether a client's request carries credentials (:data:`CREDENTIALS`)."""
+    return any(k.lower() in CREDENTIALS for k in headers)
+
+
+def credentials_forwarded(url: str, upstreams: Iterable[Upstream], allowed: Iterable[str]) -> bool:
+    """Whether clients' credentials go on to the upstream serving ``url``: its name is in
+    ``allowed`` (``--forward-credentials``), ``-`` naming the unnamed upstream and ``*``
+    every upstream."""
+    allowed = set(allowed)
+    if not allowed:
+        return False
+    if "*" in allowed:
+        return True
+    best: Upstream | None = None
+    for u in upstreams:
+        if url == u.base or url.startswith(u.base + "/"):
+            if best is None or len(u.base) > len(best.base):
+                best = u
+    return best is not None and (best.name or "-") in allowed
 
 
 def vary_forbids(vary: str | None, content_encoding: str | None) -> bool:
