@@ -13,11 +13,11 @@ a download of the object runs in this process           JOIN it (COALESCED; HIT 
                                                         every byte is verified)
 not yet looked up                                       LOOKUP the entry
 the index could not be read                             BYPASS (answer from the upstream)
-an entry, revalidation due or stale by HTTP            REVALIDATE
+an entry, revalidation due or stale by HTTP             REVALIDATE
 (--revalidate http), and not yet asked
 an entry (fresh, or confirmed)                          HIT (ENTRY_GONE when its file is
                                                         gone: forget it, look up again)
-credentials forwarded (--forward-credentials)           BYPASS (the answer is this client's)
+credentials forwarded (--forward-credentials)           BYPASS (this client's answer)
 the store takes no writes                               BYPASS
 the cold shortcuts not yet tried (HEAD, a far Range)    COLD (answers, or declines)
 several workers, no claim yet                           CLAIM the download across them
