@@ -14,9 +14,12 @@ a download of the object runs in this process           JOIN it (COALESCED; HIT 
 not yet looked up                                       LOOKUP the entry
 the index could not be read                             BYPASS (answer from the upstream)
 an entry, revalidation due or stale by HTTP             REVALIDATE
-(--revalidate http), and not yet asked
+(--revalidate http, past its stale-while-revalidate
+window), and not yet asked
 an entry (fresh, or confirmed)                          HIT (ENTRY_GONE when its file is
-                                                        gone: forget it, look up again)
+                                                        gone: forget it, look up again;
+                                                        stale within its window: asked
+                                                        about in the background)
 credentials forwarded (--forward-credentials)           BYPASS (this client's answer)
 the store takes no writes                               BYPASS
 the cold shortcuts not yet tried (HEAD, a far Range)    COLD (answers, or declines)
@@ -79,6 +82,7 @@ class Facts:
     entry_gone: bool = False  # ... but its file turned out missing or replaced
     revalidation_due: bool = False  # --revalidate says so, or the answer said no-cache
     fresh: bool = True  # the entry is fresh by RFC 9111 (only --revalidate http asks)
+    stale_ok: bool = False  # ... or stale within its stale-while-revalidate window
     revalidated: bool = False  # the upstream was asked (fresh: the entry stands)
     writable: bool = True  # the store takes writes
     private: bool = False  # the client's credentials go to the upstream: its answer is its own
@@ -102,7 +106,7 @@ def decide(f: Facts) -> Step:
     if f.entry:
         if f.entry_gone:
             return Step.ENTRY_GONE
-        if (f.revalidation_due or not f.fresh) and not f.revalidated:
+        if (f.revalidation_due or not (f.fresh or f.stale_ok)) and not f.revalidated:
             return Step.REVALIDATE
         return Step.HIT
     if f.private or not f.writable:

@@ -54,6 +54,7 @@ from proxy.policy import (
     needs_revalidation,
     should_admit,
     stale_needs_upstream,
+    stale_while_revalidate,
 )
 from proxy.policy import range_start as _range_start  # where a client's range begins
 from proxy.upstream import ObjectMeta, UpstreamBody
@@ -135,11 +136,19 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                     or s.revalidate != REVALIDATE_HTTP
                     or is_fresh(entry.fields, entry.last_modified, entry.validated, now)
                 )
+                stale_ok = (
+                    not fresh
+                    and entry is not None
+                    and stale_while_revalidate(
+                        entry.fields, entry.last_modified, entry.validated, now
+                    )
+                )
                 facts = facts.learn(
                     looked_up=True,
                     entry=entry is not None,
                     revalidation_due=due,
                     fresh=fresh,
+                    stale_ok=stale_ok,
                     writable=health.writable,
                     private=private,
                 )
@@ -156,6 +165,8 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                     dl = inflight.get(url)
             elif step is Step.HIT:
                 assert entry is not None
+                if not facts.fresh and not facts.revalidated:
+                    _revalidate_behind(request, url, entry)  # stale-while-revalidate
                 resp = await _serve_hit(request, entry)
                 if resp is not None:
                     return resp
@@ -258,6 +269,25 @@ async def _revalidate(request: web.Request, url: str, entry: Entry) -> Entry | N
         pending[url] = task
         task.add_done_callback(lambda _: pending.pop(url, None))
     return await asyncio.shield(task)
+
+
+def _revalidate_behind(request: web.Request, url: str, entry: Entry) -> None:
+    """Ask the upstream about ``entry`` in the background (once however many clients
+    ask), while it is served stale (``stale-while-revalidate``); what the upstream says
+    takes effect as in :func:`_revalidate`."""
+    pending: dict[str, asyncio.Task] = request.app[RUNTIME].revalidating
+    if url in pending:
+        return
+    fields = forwarded_fields(request.headers)
+    task = asyncio.get_running_loop().create_task(_ask_upstream(request.app, url, entry, fields))
+    pending[url] = task
+
+    def done(t: asyncio.Task) -> None:
+        pending.pop(url, None)
+        if not t.cancelled() and t.exception() is not None:
+            log.info("background revalidation of %s: %s", url, t.exception())
+
+    task.add_done_callback(done)
 
 
 async def _ask_upstream(

@@ -17,6 +17,7 @@ from proxy.policy import (
     needs_revalidation,
     parse_revalidate,
     stale_needs_upstream,
+    stale_while_revalidate,
 )
 from proxy.policy.freshness import (
     HEURISTIC_CAP,
@@ -172,6 +173,17 @@ def test_stale_needs_upstream():
     assert stale_needs_upstream([("Cache-Control", "s-maxage=2")])
     assert not stale_needs_upstream([("Cache-Control", "max-age=1")])
     assert not stale_needs_upstream([])
+
+
+def test_stale_while_revalidate_window():
+    f = [("Date", date(T)), ("Cache-Control", "max-age=1, stale-while-revalidate=4")]
+    assert is_fresh(f, None, T, T + 0.5)
+    assert not is_fresh(f, None, T, T + 3) and stale_while_revalidate(f, None, T, T + 3)
+    assert not stale_while_revalidate(f, None, T, T + 5)  # past the window
+    for extra in ("must-revalidate", "proxy-revalidate", "no-cache"):
+        g = [("Date", date(T)), ("Cache-Control", f"max-age=1, stale-while-revalidate=4, {extra}")]
+        assert not stale_while_revalidate(g, None, T, T + 3), extra
+    assert not stale_while_revalidate([("Cache-Control", "max-age=1")], None, T, T + 3)
 
 
 # -- parsing -------------------------------------------------------------------------------

@@ -169,3 +169,27 @@ def test_a_stale_copy_is_refused_when_the_origin_is_gone_if_it_says_so(origin, p
         assert (st, h.get("X-Cache"), body) == (200, "HIT", v1)
     else:
         assert st in (502, 504) and body != v1, (st, h)
+
+
+def test_stale_while_revalidate_serves_at_once_and_asks_behind(origin, proxies):
+    """Stale within its ``stale-while-revalidate`` window: served from the cache at once,
+    the origin asked in the background; what it says serves the next request."""
+    v1, v2 = os.urandom(64 * KiB), os.urandom(64 * KiB)
+    origin.put("w.tar", v1)
+    origin.cache_control["w.tar"] = "max-age=1, stale-while-revalidate=60"
+    p = proxies("--upstream", origin.url, "--revalidate", "http")
+    assert got(p.port, "/w.tar") == (200, "MISS", sha(v1))
+    cached = time.monotonic()
+    settle(p.port)
+    origin.put("w.tar", v2)
+    wait_until(cached + 1.5)
+    n = len(origin.seen)
+    assert got(p.port, "/w.tar") == (200, "HIT", sha(v1))  # stale, served at once
+    deadline = time.monotonic() + 10
+    while len(origin.seen) == n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    behind = origin.since(n)
+    assert behind and behind[0].conditional and behind[0].status == 200, behind
+    settle(p.port)
+    assert got(p.port, "/w.tar") == (200, "HIT", sha(v2))  # the new version, stored
+    assert len(origin.since(n)) == 1

@@ -27,6 +27,7 @@ from proxy.policy.freshness import (
     needs_revalidation,
     parse_revalidate,
     stale_needs_upstream,
+    stale_while_revalidate,
 )
 from proxy.policy.headers import (
     CREDENTIALS,
@@ -99,6 +100,7 @@ __all__ = [
     "range_start",
     "should_admit",
     "stale_needs_upstream",
+    "stale_while_revalidate",
     "unsigned_url",
     "vary_forbids",
 ]

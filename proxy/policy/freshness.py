@@ -33,6 +33,7 @@ __all__ = [
     "parse_age",
     "parse_revalidate",
     "stale_needs_upstream",
+    "stale_while_revalidate",
 ]
 
 REVALIDATE_HTTP = "http"  # --revalidate http: RFC 9111 freshness
@@ -272,3 +273,21 @@ def stale_needs_upstream(fields: Sequence[tuple[str, str]]) -> bool:
     ``proxy-revalidate`` or ``s-maxage`` (a shared cache)."""
     cc = _cache_directives(fields)
     return any(d in cc for d in ("must-revalidate", "proxy-revalidate", "s-maxage"))
+
+
+def stale_while_revalidate(
+    fields: Sequence[tuple[str, str]],
+    last_modified: str | None,
+    response_time: float,
+    now: float,
+) -> bool:
+    """Whether a stale stored answer may still be served at once while the upstream is
+    asked about it in the background: its age is within its lifetime plus its
+    ``stale-while-revalidate`` window (RFC 5861 3), and nothing forbids serving it stale
+    (:func:`stale_needs_upstream`, ``no-cache``)."""
+    cc = _cache_directives(fields)
+    window = _delta(cc.get("stale-while-revalidate"))
+    if not window or "no-cache" in cc or stale_needs_upstream(fields):
+        return False
+    lifetime = freshness_lifetime(fields, last_modified, response_time)
+    return lifetime + window > current_age(fields, response_time, now)
