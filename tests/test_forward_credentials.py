@@ -40,6 +40,13 @@ def test_credentials_are_forwarded_only_when_asked():
     assert forwarded_fields(h2, credentials=True) == {}
     assert carries_credentials({"authorization": "x"}) and carries_credentials({"Cookie": "a"})
     assert not carries_credentials({"X-Trace": "t"})
+    # the S3 front's own signatures are for the proxy's host, never the upstream's
+    sig = "AWS4-HMAC-SHA256 Credential=AKIA/20260101/us-east-1/s3/aws4_request, Signature=ab"
+    assert not carries_credentials({"Authorization": sig})
+    assert not carries_credentials({"Authorization": "AWS AKIA:c2lnbmF0dXJl"})
+    assert forwarded_fields({"Authorization": sig, "X-Trace": "t"}, credentials=True) == {
+        "X-Trace": "t"
+    }
 
 
 @pytest.mark.parametrize(
@@ -126,5 +133,43 @@ def test_by_default_credentials_stay_with_the_proxy(origin, tmp_path):
         settle(p)
         r = fetch(p.port, "/d.tar")
         assert r.status == 200 and r.body == data and r.headers.get("x-cache") == "HIT"
+    finally:
+        p.stop(timeout=10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_s3_front_signatures_are_not_forwarded_credentials(origin, tmp_path):
+    """With --forward-credentials, an S3 client's SigV4 Authorization (signed for the
+    proxy's host) is no credential of the upstream's: the object is cached and shared,
+    and the upstream never sees the signature."""
+    boto3 = pytest.importorskip("boto3")
+    from botocore.config import Config
+
+    data = os.urandom(64 * KiB)
+    origin.add("/obj.tar", versions=[Version(data, etag='"o"', last_modified=LM)])
+    p = ProxyProcess(
+        tmp_path / "cache",
+        "--upstream",
+        f"data={origin.url}",
+        "--forward-credentials",
+        "*",
+        *COMMON,
+    ).start()
+    try:
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=p.url,
+            aws_access_key_id="x",
+            aws_secret_access_key="y",
+            region_name="us-east-1",
+            config=Config(s3={"addressing_style": "path"}),
+        )
+        for _ in range(2):  # the miss, then the hit
+            got = s3.get_object(Bucket="data", Key="obj.tar")
+            assert got["Body"].read() == data
+            settle(p)
+        gets = origin.log("/obj.tar", "GET")
+        assert len(gets) == 1 and gets[0].header("authorization") is None
     finally:
         p.stop(timeout=10)

@@ -71,7 +71,8 @@ def forwarded_fields(headers: Mapping[str, str], *, credentials: bool = False) -
     for k, v in headers.items():
         low = k.lower()
         if credentials and low in CREDENTIALS and low not in named:
-            out[k] = f"{out[k]}, {v}" if k in out else v
+            if not _s3_signature(low, v):
+                out[k] = f"{out[k]}, {v}" if k in out else v
             continue
         if low in NOT_FORWARDED or low in named or low.startswith(("x-shardcache-", "x-amz-")):
             continue
@@ -79,9 +80,18 @@ def forwarded_fields(headers: Mapping[str, str], *, credentials: bool = False) -
     return out
 
 
+def _s3_signature(name: str, value: str) -> bool:
+    """An ``Authorization`` that signs the request for the S3 front (SigV4, SigV2): made
+    for the proxy's host, it is no credential of the upstream's and never goes there."""
+    return name == "authorization" and value.lstrip().startswith(("AWS4-", "AWS "))
+
+
 def carries_credentials(headers: Mapping[str, str]) -> bool:
-    """Whether a client's request carries credentials (:data:`CREDENTIALS`)."""
-    return any(k.lower() in CREDENTIALS for k in headers)
+    """Whether a client's request carries credentials for the upstream
+    (:data:`CREDENTIALS`; an S3 front signature is not one)."""
+    return any(
+        k.lower() in CREDENTIALS and not _s3_signature(k.lower(), v) for k, v in headers.items()
+    )
 
 
 def credentials_forwarded(url: str, upstreams: Iterable[Upstream], allowed: Iterable[str]) -> bool:
