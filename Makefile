@@ -52,7 +52,7 @@ test-clients: $(CLIENTS_VENV)/.installed
 	  tests/s3 tests/test_dataloader.py tests/test_dataset.py tests/test_plans_client.py
 
 # The public HTTP cache test suite (the one behind cache-tests.fyi) against the proxy, in
-# both --revalidate modes: CACHE_TESTS_DIR names a checkout of
+# the --revalidate modes never, always and http: CACHE_TESTS_DIR names a checkout of
 # github.com/http-tests/cache-tests with `npm install --omit=dev` run in it (node 20+).
 # Fails when a required test fails that bench/http_cache_tests_known.json does not list
 # with its reason; docs/http-cache-tests.md has the score and the list.

@@ -12,7 +12,7 @@ its tests, node.js) is not part of this repository and not on the npm registry: 
 out anywhere, run ``npm install --omit=dev`` in it, and name its directory with
 ``--suite`` or ``CACHE_TESTS_DIR``. Without it the script says so and exits 0 (skipped).
 
-For each ``--revalidate`` mode (``--modes``, default ``never,always``) it starts the
+For each ``--revalidate`` mode (``--modes``, default ``never,always,http``) it starts the
 suite's origin on 127.0.0.1, ``python -m shardcache serve --upstream <origin>`` on an
 empty cache directory, and the suite's CLI with the proxy as its base URL, as the suite
 tests any reverse proxy. One change (bench/http_cache_tests_preload.mjs, loaded into the
@@ -50,7 +50,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 PRELOAD = Path(__file__).resolve().parent / "http_cache_tests_preload.mjs"
 KNOWN = Path(__file__).resolve().parent / "http_cache_tests_known.json"
-MODES = ("never", "always")
+MODES = ("never", "always", "http")
 REFERENCES = {"nginx": "nginx.json", "Varnish": "varnish.json"}
 
 # Groups (the suite's test-file ids) left out of the "outside freshness" figure: those
@@ -190,6 +190,7 @@ def run_mode(
     test_id: str = "",
     setup_through_proxy: bool = False,
     log_level: str = "warning",
+    proxy_args: tuple[str, ...] = (),
 ) -> dict[str, Any] | None:
     """One run of the suite's CLI through a fresh proxy; its JSON results (None with --id,
     whose dump goes to stdout)."""
@@ -211,7 +212,7 @@ def run_mode(
         wait_listening(origin_port, procs[-1], work / "origin.log")
         argv = [sys.executable, "-m", "shardcache", "serve", "--upstream", origin]
         argv += ["--port", str(proxy_port), "--cache-dir", str(work / "cache")]
-        argv += ["--revalidate", mode, "--log-level", log_level]
+        argv += ["--revalidate", mode, "--log-level", log_level, *proxy_args]
         procs.append(start(argv, work / "proxy.log", dict(os.environ), ROOT))
         wait_listening(proxy_port, procs[-1], work / "proxy.log")
         env = node_env(npm_config_base=base, npm_config_id=test_id, npm_package_config_id="")
@@ -414,6 +415,13 @@ def main(argv: list[str] | None = None) -> int:
         help="read results-<mode>.json from this directory (an earlier --out) instead of running",
     )
     ap.add_argument(
+        "--proxy-arg",
+        action="append",
+        default=[],
+        help="one more argument for the proxy (e.g. --proxy-arg=--forward-credentials=*); "
+        "the committed figures use none",
+    )
+    ap.add_argument(
         "--setup-through-proxy",
         action="store_true",
         help="send the suite's PUT /config and GET /state through the proxy too",
@@ -441,7 +449,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             t0 = time.monotonic()
             results = run_mode(
-                suite, mode, Path(tmp), args.id, args.setup_through_proxy, args.log_level
+                suite,
+                mode,
+                Path(tmp),
+                args.id,
+                args.setup_through_proxy,
+                args.log_level,
+                tuple(args.proxy_arg),
             )
             if results is None:
                 return 0

@@ -63,6 +63,7 @@ from proxy.plans_api import (
     _plans_list,
 )
 from proxy.policy import (
+    describe_revalidate,
     unsigned_url,
 )
 from proxy.s3front import S3Front
@@ -293,9 +294,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         format_size(store.cache_size),
         format_size(store.min_free),
         s.eviction,
-        "never"
-        if s.revalidate is None
-        else ("always" if s.revalidate == 0 else f"after {s.revalidate:g}s"),
+        describe_revalidate(s.revalidate),
         ", ".join(str(u) for u in s.upstreams) or "(none)",
     )
     try:

@@ -76,6 +76,7 @@ class Settings:
     strip_signatures: str = DEFAULTS["strip_signatures"]
     upstream_auth: tuple[Credential, ...] = DEFAULTS["upstream_auth"]
     upstream_headers: tuple[Credential, ...] = DEFAULTS["upstream_headers"]
+    forward_credentials: tuple[str, ...] = DEFAULTS["forward_credentials"]
     log_level: str = DEFAULTS["log_level"]
     eviction: str = DEFAULTS["eviction"]
     connect_timeout: float = DEFAULTS["connect_timeout"]
@@ -106,7 +107,8 @@ class Settings:
     tls_cert: Path | None = DEFAULTS["tls_cert"]
     tls_key: Path | None = DEFAULTS["tls_key"]
     min_free: int | float | None = DEFAULTS["min_free"]  # bytes, a fraction, or None
-    revalidate: float | None = DEFAULTS["revalidate"]  # None: never; 0: always; else max age
+    # None: never; 0: always; "http": RFC 9111 freshness; else max age
+    revalidate: float | str | None = DEFAULTS["revalidate"]
     store_probe_interval: float = DEFAULTS["store_probe_interval"]
     workers: int = DEFAULTS["workers"]
 
@@ -249,6 +251,10 @@ def _check_together(s: Settings) -> None:
                 c.source.check()
             except ValueError as exc:
                 raise ConfigError(flag, f"{c}: {exc}") from None
+    known = {u.name or "-" for u in s.upstreams} | {"*"}
+    for name in s.forward_credentials:
+        if name not in known:
+            raise ConfigError("--forward-credentials", f"no upstream named {name}")
     if s.s3_front_access_key and not s.s3_front_secret_key:
         raise ConfigError("--s3-front-secret-key", "required with --s3-front-access-key")
     if s.s3_front_secret_key and not s.s3_front_access_key:

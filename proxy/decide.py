@@ -13,9 +13,14 @@ a download of the object runs in this process           JOIN it (COALESCED; HIT 
                                                         every byte is verified)
 not yet looked up                                       LOOKUP the entry
 the index could not be read                             BYPASS (answer from the upstream)
-an entry, revalidation due and not yet asked            REVALIDATE
+an entry, revalidation due or stale by HTTP             REVALIDATE
+(--revalidate http, past its stale-while-revalidate
+window), and not yet asked
 an entry (fresh, or confirmed)                          HIT (ENTRY_GONE when its file is
-                                                        gone: forget it, look up again)
+                                                        gone: forget it, look up again;
+                                                        stale within its window: asked
+                                                        about in the background)
+credentials forwarded (--forward-credentials)           BYPASS (this client's answer)
 the store takes no writes                               BYPASS
 the cold shortcuts not yet tried (HEAD, a far Range)    COLD (answers, or declines)
 several workers, no claim yet                           CLAIM the download across them
@@ -76,8 +81,11 @@ class Facts:
     entry: bool = False  # a committed entry was found
     entry_gone: bool = False  # ... but its file turned out missing or replaced
     revalidation_due: bool = False  # --revalidate says so, or the answer said no-cache
+    fresh: bool = True  # the entry is fresh by RFC 9111 (only --revalidate http asks)
+    stale_ok: bool = False  # ... or stale within its stale-while-revalidate window
     revalidated: bool = False  # the upstream was asked (fresh: the entry stands)
     writable: bool = True  # the store takes writes
+    private: bool = False  # the client's credentials go to the upstream: its answer is its own
     cold_tried: bool = False  # the cold shortcuts were tried and declined
     shared: bool = False  # several workers share the port, and this request is not forwarded
     claim: Claim | None = None
@@ -98,10 +106,10 @@ def decide(f: Facts) -> Step:
     if f.entry:
         if f.entry_gone:
             return Step.ENTRY_GONE
-        if f.revalidation_due and not f.revalidated:
+        if (f.revalidation_due or not (f.fresh or f.stale_ok)) and not f.revalidated:
             return Step.REVALIDATE
         return Step.HIT
-    if not f.writable:
+    if f.private or not f.writable:
         return Step.BYPASS
     if not f.cold_tried:
         return Step.COLD

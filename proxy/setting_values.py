@@ -215,6 +215,10 @@ def _header_credentials(values: list[str] | str) -> tuple[Credential, ...]:
     return _credential_list(values, bearer=False)
 
 
+def _upstream_names(values: list[str]) -> tuple[str, ...]:
+    return tuple(v.strip() for v in values if v.strip())
+
+
 def _hosts(values: list[str]) -> tuple[str, ...]:
     return tuple(h.lower() for h in values)
 

@@ -32,6 +32,7 @@ from proxy.setting_values import (
     _patterns,
     _readable_file,
     _redirect_hosts,
+    _upstream_names,
     _upstreams,
 )
 from proxy.upstream.options import DEFAULT_OPTIONS as UPSTREAM
@@ -137,6 +138,17 @@ SETTINGS: tuple[Setting, ...] = (
         group="upstreams",
     ),
     Setting(
+        "forward_credentials",
+        (),
+        "upstream (NAME, - for the unnamed one, * for all) that gets clients' Authorization "
+        "and Cookie; a request carrying them is then answered by the upstream for that "
+        "client alone, never stored or shared (a stored entry still serves it); repeatable",
+        _upstream_names,
+        metavar="NAME",
+        many=True,
+        group="upstreams",
+    ),
+    Setting(
         "cache_dir",
         None,
         "directory of the on-disk store",
@@ -211,11 +223,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "revalidate",
         None,
-        "never (shards are immutable), always, or an age such as 10m after which a hit asks "
-        "the upstream whether it changed",
+        "never (shards are immutable), always, http (reuse while fresh by the upstream's "
+        "Cache-Control, Expires or Last-Modified, RFC 9111), or an age such as 10m after "
+        "which a hit asks the upstream whether it changed",
         parse_revalidate,
         none_means="never",
-        metavar="never|always|AGE",
+        metavar="never|always|http|AGE",
         group="cache",
     ),
     Setting(

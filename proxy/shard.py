@@ -44,11 +44,18 @@ from proxy.peers import (
 )
 from proxy.plans import PLAN_HEADER
 from proxy.policy import (
+    REVALIDATE_HTTP,
+    carries_credentials,
+    credentials_forwarded,
+    current_age,
     forwarded_fields,
+    is_fresh,
     map_request,
     must_revalidate_each_use,
     needs_revalidation,
     should_admit,
+    stale_needs_upstream,
+    stale_while_revalidate,
 )
 from proxy.policy import range_start as _range_start  # where a client's range begins
 from proxy.upstream import ObjectMeta, UpstreamBody
@@ -86,11 +93,16 @@ async def _shard(request: web.Request) -> web.StreamResponse:
     url = map_request(raw, s.upstreams, s.allow_hosts, s.max_path_length)
     if is_uncached(url, s.upstreams, s.uncached_paths):  # an API, not objects
         return await pass_through(request, url)
+    # the client's credentials go to the upstream only where the operator allows it, and
+    # then the answer is this client's alone: never stored, never shared (RFC 9111 3.5)
+    private = carries_credentials(request.headers) and credentials_forwarded(
+        url, s.upstreams, s.forward_credentials
+    )
     if path_only.endswith("/") and len(path_only) > 1:
         # a directory (listing), not a shard: forwarded with its slash, never cached
         base, sep, query = url.partition("?")
         return await _serve_bypass(
-            request, (base if base.endswith("/") else base + "/") + sep + query
+            request, (base if base.endswith("/") else base + "/") + sep + query, private=private
         )
     store = request.app[STORE]
     inflight = request.app[INFLIGHT]
@@ -125,16 +137,30 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                     log.error("cache lookup of %s failed, passing it through: %s", url, exc)
                     facts = facts.learn(looked_up=True, lookup_failed=True)
                     continue
+                now = time.time()
                 due = entry is not None and (
-                    needs_revalidation(s.revalidate, entry.validated, time.time())
-                    or must_revalidate_each_use(entry.meta.cache_control)
-                    or must_revalidate_each_use(entry.meta.field("CDN-Cache-Control"))
+                    needs_revalidation(s.revalidate, entry.validated, now) or _no_cache(entry)
+                )
+                fresh = (
+                    entry is None
+                    or s.revalidate != REVALIDATE_HTTP
+                    or is_fresh(entry.fields, entry.last_modified, entry.validated, now)
+                )
+                stale_ok = (
+                    not fresh
+                    and entry is not None
+                    and stale_while_revalidate(
+                        entry.fields, entry.last_modified, entry.validated, now
+                    )
                 )
                 facts = facts.learn(
                     looked_up=True,
                     entry=entry is not None,
                     revalidation_due=due,
+                    fresh=fresh,
+                    stale_ok=stale_ok,
                     writable=health.writable,
+                    private=private,
                 )
                 if entry is None:
                     request[T_READY] = "miss"
@@ -149,6 +175,8 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                     dl = inflight.get(url)
             elif step is Step.HIT:
                 assert entry is not None
+                if not facts.fresh and not facts.revalidated:
+                    _revalidate_behind(request, url, entry)  # stale-while-revalidate
                 resp = await _serve_hit(request, entry)
                 if resp is not None:
                     return resp
@@ -162,7 +190,7 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                 store.forget(entry.key)
                 break
             elif step is Step.BYPASS:
-                return await _serve_bypass(request, url)
+                return await _serve_bypass(request, url, private=private)
             elif step is Step.COLD:
                 resp = await _serve_cold(request, url)
                 if resp is not None:
@@ -216,6 +244,27 @@ async def _shard(request: web.Request) -> web.StreamResponse:
     raise UpstreamError(f"{url}: entry keeps disappearing; try again")
 
 
+def _no_cache(entry: Entry) -> bool:
+    """Whether the entry's answer said ``no-cache`` (Cache-Control or CDN-Cache-Control):
+    every reuse asks the upstream first, in every ``--revalidate`` mode."""
+    return must_revalidate_each_use(entry.meta.cache_control) or must_revalidate_each_use(
+        entry.meta.field("CDN-Cache-Control")
+    )
+
+
+def _must_not_serve_stale(app: web.Application, entry: Entry) -> bool:
+    """With ``--revalidate http``: whether the entry may not be served when the upstream
+    cannot be asked (RFC 9111 4.2.4): it is stale and says ``must-revalidate``,
+    ``proxy-revalidate`` or ``s-maxage``, or it says ``no-cache``. The other modes serve
+    the cached copy (shards are immutable unless the operator says otherwise)."""
+    if app[SETTINGS].revalidate != REVALIDATE_HTTP:
+        return False
+    if _no_cache(entry):
+        return True
+    stale = not is_fresh(entry.fields, entry.last_modified, entry.validated, time.time())
+    return stale and stale_needs_upstream(entry.fields)
+
+
 async def _revalidate(request: web.Request, url: str, entry: Entry) -> Entry | None:
     """Ask the upstream whether an aged entry is current (one request however many
     clients ask at once). The entry when it is (a 304); None when it changed (it is
@@ -225,18 +274,43 @@ async def _revalidate(request: web.Request, url: str, entry: Entry) -> Entry | N
     pending: dict[str, asyncio.Task] = app[RUNTIME].revalidating
     task = pending.get(url)
     if task is None:
-        task = asyncio.get_running_loop().create_task(_ask_upstream(app, url, entry))
+        fields = forwarded_fields(request.headers)
+        task = asyncio.get_running_loop().create_task(_ask_upstream(app, url, entry, fields))
         pending[url] = task
         task.add_done_callback(lambda _: pending.pop(url, None))
     return await asyncio.shield(task)
 
 
-async def _ask_upstream(app: web.Application, url: str, entry: Entry) -> Entry | None:
+def _revalidate_behind(request: web.Request, url: str, entry: Entry) -> None:
+    """Ask the upstream about ``entry`` in the background (once however many clients
+    ask), while it is served stale (``stale-while-revalidate``); what the upstream says
+    takes effect as in :func:`_revalidate`."""
+    pending: dict[str, asyncio.Task] = request.app[RUNTIME].revalidating
+    if url in pending:
+        return
+    fields = forwarded_fields(request.headers)
+    task = asyncio.get_running_loop().create_task(_ask_upstream(request.app, url, entry, fields))
+    pending[url] = task
+
+    def done(t: asyncio.Task) -> None:
+        pending.pop(url, None)
+        if not t.cancelled() and t.exception() is not None:
+            log.info("background revalidation of %s: %s", url, t.exception())
+
+    task.add_done_callback(done)
+
+
+async def _ask_upstream(
+    app: web.Application, url: str, entry: Entry, fields: dict[str, str]
+) -> Entry | None:
     m, store = app[METRICS], app[STORE]
     try:
-        answer = await app[FETCHER].revalidate(url, entry.meta)
+        answer = await app[FETCHER].revalidate(url, entry.meta, fields)
     except ProxyError as exc:
         m.revalidations.labels(result="error").inc()
+        if _must_not_serve_stale(app, entry):
+            log.warning("cannot revalidate %s (%s); its answer forbids serving it stale", url, exc)
+            raise
         log.warning("cannot revalidate %s (%s); serving the cached copy", url, exc)
         return entry
     m.revalidations.labels(result=answer.result).inc()
@@ -274,8 +348,9 @@ async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse |
     body = _EntryBody(request, entry)
     if not body.open():
         return None
-    # how long ago the upstream last vouched for these bytes (RFC 9111 5.1)
-    age = {"Age": str(max(0, int(time.time() - entry.validated)))}
+    # the upstream's Age when it last vouched for these bytes, or their apparent age
+    # by its Date, plus the time since (RFC 9111 4.2.3, 5.1)
+    age = {"Age": str(int(current_age(entry.fields, entry.validated, time.time())))}
     return await _answer(request, entry.meta, XCache.HIT, entry.size, body, age)
 
 
@@ -292,10 +367,11 @@ async def _serve_download(request: web.Request, dl: Download, cache: str) -> web
 
 
 async def _serve_bypass(
-    request: web.Request, url: str, dl: Download | None = None
+    request: web.Request, url: str, dl: Download | None = None, *, private: bool = False
 ) -> web.StreamResponse:
     """Stream ``url`` from the upstream to this client alone, uncached (X-Cache: BYPASS):
-    the body a bypassed download already opened, or a request of its own."""
+    the body a bypassed download already opened, or a request of its own (``private``:
+    with the client's credentials)."""
     fetcher = request.app[FETCHER]
     body: UpstreamBody | None = None
     if request.method == "GET" or dl is None:
@@ -303,7 +379,9 @@ async def _serve_bypass(
         if body is None:
             since = time.monotonic()
             try:
-                body = await fetcher.open(url, forwarded_fields(request.headers))
+                body = await fetcher.open(
+                    url, forwarded_fields(request.headers, credentials=private)
+                )
             finally:
                 _waited(request, since)
     try:

@@ -69,7 +69,8 @@ def parse_content_range(value: str | None) -> tuple[int, int, int | None]:
 # Header fields never stored with an entry nor replayed from it: hop-by-hop fields
 # (RFC 9110 7.6.1), the framing and validators the proxy sets itself on every answer, the
 # per-request identifiers of object stores, and cookies (a shared cache never replays one
-# client's Set-Cookie to another).
+# client's Set-Cookie to another). The upstream's Age is kept: a hit's Age adds the time
+# since to it (RFC 9111 4.2.3), and an answer from an entry always says its own Age.
 NOT_STORED = frozenset(
     {
         "connection",
@@ -88,7 +89,6 @@ NOT_STORED = frozenset(
         "etag",
         "last-modified",
         "content-type",
-        "age",
         "set-cookie",
         "set-cookie2",
         "x-cache",

@@ -18,6 +18,17 @@ LOOKED = Facts(looked_up=True)
         (Facts(looked_up=True, entry=True), Step.HIT),
         (Facts(looked_up=True, entry=True, revalidation_due=True), Step.REVALIDATE),
         (Facts(looked_up=True, entry=True, revalidation_due=True, revalidated=True), Step.HIT),
+        # --revalidate http: a stale entry is asked about once, a fresh one served as it is
+        (Facts(looked_up=True, entry=True, fresh=False), Step.REVALIDATE),
+        (Facts(looked_up=True, entry=True, fresh=False, revalidated=True), Step.HIT),
+        (Facts(looked_up=True, entry=True, fresh=True), Step.HIT),
+        # stale within its stale-while-revalidate window: served (and asked about behind)
+        (Facts(looked_up=True, entry=True, fresh=False, stale_ok=True), Step.HIT),
+        (
+            Facts(looked_up=True, entry=True, fresh=False, stale_ok=True, revalidation_due=True),
+            Step.REVALIDATE,
+        ),
+        (Facts(looked_up=True, entry=True, fresh=True, revalidation_due=True), Step.REVALIDATE),
         (Facts(looked_up=True, entry=True, entry_gone=True), Step.ENTRY_GONE),
         (Facts(looked_up=True, writable=False), Step.BYPASS),
         (LOOKED, Step.COLD),

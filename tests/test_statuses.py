@@ -82,6 +82,18 @@ def test_status_and_body_are_passed_on(origin, proxy, status):
     assert origin.count["/s.tar"] == 2
 
 
+@pytest.mark.parametrize("status", [203, 301, 404, 500])
+def test_validators_and_age_are_passed_on(origin, proxy, status):
+    """A passed-on answer keeps the origin's ETag, Last-Modified and Age (the proxy sets
+    them itself on the answers it serves from the object, never on these)."""
+    fields = {"ETag": '"e1"', "Last-Modified": "Mon, 01 Jan 2024 00:00:00 GMT", "Age": "30"}
+    origin.script["/v.tar"] = [(status, fields, b"page")]
+    r = fetch(proxy.port, "/v.tar")
+    assert r.status == status, r.describe()
+    for name, value in fields.items():
+        assert r.headers.get(name.lower()) == value, (name, r.headers)
+
+
 def test_204_has_no_body(origin, proxy):
     origin.script["/n.tar"] = [(204, {"X-Origin": "yes"}, b"")]
     r = fetch(proxy.port, "/n.tar")

@@ -467,19 +467,23 @@ class Fetcher:
 
     # -- revalidation ----------------------------------------------------------------------
 
-    async def revalidate(self, url: str, meta: ObjectMeta) -> Revalidation:
+    async def revalidate(
+        self, url: str, meta: ObjectMeta, fields: Mapping[str, str] | None = None
+    ) -> Revalidation:
         """Ask the upstream whether version ``meta`` of ``url`` is still current, with a
         conditional GET: ``fresh`` (304, or the same validators; ``fields`` are the
         answer's end-to-end header fields, which update the stored ones), ``changed``
         (``body``: the new version's answer, open, to be streamed into the new entry
         instead of asking again) or ``gone`` (404/410). Raises ProxyError when the
-        upstream cannot tell (5xx, unreachable, timeout)."""
-        headers: dict[str, str] = {}
+        upstream cannot tell (5xx, unreachable, timeout). ``fields``: the client's
+        end-to-end request fields (:func:`proxy.policy.forwarded_fields`), sent along as
+        with a miss."""
+        headers: dict[str, str] = dict(fields or {})
         if meta.etag:
             headers["If-None-Match"] = meta.etag
         if meta.last_modified:
             headers["If-Modified-Since"] = meta.last_modified
-        if not headers:
+        if not (meta.etag or meta.last_modified):
             return Revalidation("changed")  # nothing to compare: fetch it again
         try:
             resp = await self._request("GET", url, headers, (200, 304), stream=True)
