@@ -9,7 +9,7 @@ import sys
 import threading
 
 import pytest
-from test_dbcache import write_shard
+from support.data import write_shard
 
 from dbcache import DBCache
 
