@@ -36,6 +36,8 @@ from shardcache.tariterators import (
 )
 from shardcache.urls import shardlist
 
+pytestmark = pytest.mark.fast
+
 HYPOTHESIS = settings(
     max_examples=40,
     deadline=None,

@@ -23,6 +23,8 @@ from shardcache.urls import (
     shardlist,
 )
 
+pytestmark = pytest.mark.fast
+
 P = "http://127.0.0.1:8080"
 
 
