@@ -13,16 +13,9 @@ import urllib.request
 import uuid
 
 import pytest
-from proxy_helpers import Fault, Origin, ProxyProcess, make_shard
+from support.proxy_helpers import Fault, ProxyProcess, make_shard
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-
-
-@pytest.fixture
-def origin():
-    o = Origin().start()
-    yield o
-    o.stop()
 
 
 @pytest.fixture

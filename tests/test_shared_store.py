@@ -10,20 +10,13 @@ import time
 import urllib.request
 
 import pytest
-from proxy_helpers import Origin, ProxyProcess
+from support.proxy_helpers import ProxyProcess
 
 from shardcache.store import Store
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 KiB = 1024
-
-
-@pytest.fixture
-def origin():
-    o = Origin().start()
-    yield o
-    o.stop()
 
 
 @pytest.fixture

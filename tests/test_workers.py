@@ -20,7 +20,7 @@ import time
 from collections import Counter
 
 import pytest
-from proxy_helpers import Fault, Origin, ProxyProcess
+from support.proxy_helpers import Fault, ProxyProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -90,13 +90,6 @@ class Proxy(ProxyProcess):
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-
-
-@pytest.fixture
-def origin():
-    o = Origin().start()
-    yield o
-    o.stop()
 
 
 @pytest.fixture
