@@ -8,6 +8,9 @@ import os
 import random
 import tarfile
 
+# the parts tests' object: 1000 KiB and a tail, so its last part is short
+PARTS_OBJECT = random.Random(7).randbytes(1000 * 1024 + 123)
+
 
 def sha(data: bytes | bytearray) -> str:
     """The SHA-256 of ``data`` in hex."""

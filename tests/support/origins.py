@@ -8,6 +8,8 @@
   trickles; for blocking clients of the library.
 - :class:`CountingOrigin` (:mod:`support.opshelpers`): http.server with HEAD and ETag,
   an optional delay between chunks; for the operator and deployment tests.
+- :class:`RangedOrigin`: an aiohttp handler for one object with ETag, Range and
+  If-Match, recording the ranges asked (the parts tests mount it in their own app).
 - :class:`Hub` (:mod:`support.huborigin`): a Hugging Face Hub and its signed CDN.
 - :func:`serve_directory` (:mod:`support.pipeline_helpers`): a directory over HTTP.
 """
@@ -35,6 +37,7 @@ __all__ = [
     "Fault",
     "Hub",
     "Origin",
+    "RangedOrigin",
     "Request",
     "Scenario",
     "ThreadedOrigin",
@@ -192,3 +195,41 @@ class Origin:
                     f.gate.set()
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
+
+
+class RangedOrigin:
+    """Serves one object with ETag, Range and If-Match; records the ranges asked."""
+
+    def __init__(self, data: bytes, honour_if_match: bool = True) -> None:
+        self.set(data)
+        self.honour_if_match = honour_if_match
+        self.requests: list[tuple[str, str | None]] = []
+        self.sent = 0  # body bytes handed to the connection (what an origin bills)
+
+    def set(self, data: bytes) -> None:
+        self.data = data
+        self.etag = '"' + hashlib.md5(data).hexdigest() + '"'
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        rng = request.headers.get("Range")
+        self.requests.append((request.method, rng))
+        headers = {"ETag": self.etag, "Accept-Ranges": "bytes"}
+        im = request.headers.get("If-Match")
+        if self.honour_if_match and im and im != self.etag:
+            return web.Response(status=412, headers=headers)
+        if rng is None:
+            body = b"" if request.method == "HEAD" else self.data
+            headers["Content-Length"] = str(len(self.data))
+            resp = web.StreamResponse(status=200, headers=headers)
+            await resp.prepare(request)
+            for i in range(0, len(body), (64 << 10)):
+                await resp.write(body[i : i + (64 << 10)])
+                self.sent += len(body[i : i + (64 << 10)])
+            await resp.write_eof()
+            return resp
+        first, _, last = rng.removeprefix("bytes=").partition("-")
+        first, last = int(first), min(int(last or len(self.data) - 1), len(self.data) - 1)
+        headers["Content-Range"] = f"bytes {first}-{last}/{len(self.data)}"
+        if request.method != "HEAD":
+            self.sent += last + 1 - first
+        return web.Response(status=206, body=self.data[first : last + 1], headers=headers)
