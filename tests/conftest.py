@@ -11,12 +11,17 @@
   fault tests' :data:`support.faultclient.COMMON` and the transport's. Modules override
   it to use flags of their own.
 - ``proxy``: the proxy subprocess in front of ``origin`` with ``proxy_args``.
+- ``proxies``: a factory, ``proxies(*args, cache_dir=None, env=None, name="cache")``
+  starts ``shardcache serve *args`` with its cache in ``cache_dir`` (default
+  ``tmp_path / name``); every proxy it started is killed at teardown.
 - ``rig``: tmpfs mounts for store faults and the proxies on them, torn down in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from support.faultclient import COMMON, TRANSPORTS
@@ -55,6 +60,25 @@ def proxy(origin, proxy_args: tuple[str, ...], tmp_path) -> Iterator[ProxyProces
         yield p
     finally:
         p.stop(timeout=10)
+
+
+@pytest.fixture
+def proxies(tmp_path) -> Iterator[Callable[..., ProxyProcess]]:
+    started: list[ProxyProcess] = []
+
+    def start(
+        *args: str,
+        cache_dir: Path | None = None,
+        env: dict[str, str] | None = None,
+        name: str = "cache",
+    ) -> ProxyProcess:
+        p = ProxyProcess(cache_dir or tmp_path / name, *args, env=env).start()
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.stop(signal.SIGKILL)
 
 
 @pytest.fixture

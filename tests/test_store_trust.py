@@ -22,9 +22,11 @@ import time
 from pathlib import Path
 
 import pytest
+from support.data import sha
 from support.proxy import part_files, stats, wait_idle
 from support.proxy_helpers import Fault
 from support.store_faults import fill, run_serve
+from support.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -34,10 +36,6 @@ INDEX = ".shardcache.sqlite"
 
 
 # --- fixtures and helpers --------------------------------------------------------------
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def get(port: int, path: str, timeout: float = 60) -> tuple[int, dict[str, str], bytes]:
@@ -146,14 +144,12 @@ def test_disk_full_mid_download_streams_on_and_recovers(rig, origin):
     jobs = [name for name in big for _ in range(3)]
     with concurrent.futures.ThreadPoolExecutor(len(jobs) + 1) as ex:
         futures = [ex.submit(stream_digest, p.port, f"/{name}") for name in jobs]
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # the downloads are writing their .part files
+
+        def writing() -> bool:  # the downloads are writing their .part files
             sizes = part_sizes(cache)
-            if len(sizes) >= 2 and min(sizes) >= 2 * MiB:
-                break
-            time.sleep(0.01)
-        else:
-            raise AssertionError(f"downloads did not start writing: {part_files(cache)}")
+            return len(sizes) >= 2 and min(sizes) >= 2 * MiB
+
+        wait_until(writing, 20, 0.01, what=lambda: f"downloads writing: {part_files(cache)}")
         filler_job = ex.submit(keep_full)
         results = []
         for name, fut in zip(jobs, futures, strict=True):
@@ -215,10 +211,7 @@ def test_disk_full_mid_download_streams_on_and_recovers(rig, origin):
     # space comes back: the store is writable again within the probe interval
     filler.unlink()
     shutil.rmtree(held)
-    deadline = time.monotonic() + 10
-    while not stats(p.port)["store"]["writable"]:
-        assert time.monotonic() < deadline, "store still unwritable 10 s after space came back"
-        time.sleep(0.1)
+    wait_until(lambda: stats(p.port)["store"]["writable"], 10, 0.1, "a writable store again")
     assert sample_value(metrics(p.port), "shardcache_store_writable") == [1.0]
     st, h, body = get(p.port, "/after.tar")
     assert (st, h.get("X-Cache"), sha(body)) == (200, "MISS", sha(after))

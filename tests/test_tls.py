@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 from support.data import sha
-from support.proxy_helpers import Fault, ProxyProcess, aws_env
+from support.proxy_helpers import Fault, aws_env
 from support.tls import Certs
 from support.wait import wait_until
 
@@ -45,21 +45,6 @@ KiB, MiB = 1024, 1024 * 1024
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Certs:
     return Certs(tmp_path_factory.mktemp("certs"))
-
-
-@pytest.fixture
-def proxies(tmp_path):
-    started: list[ProxyProcess] = []
-
-    def start(*args: str, env: dict[str, str] | None = None, name: str = "cache"):
-        p = ProxyProcess(tmp_path / name, *args, env=env).start()
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        if p.proc is not None and p.proc.poll() is None:
-            p.stop(signal.SIGKILL)
 
 
 def https_get(
