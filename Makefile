@@ -42,7 +42,7 @@ test: $(VENV)/.installed-test $(if $(TORCH),$(VENV)/.installed-torch)
 FAST_TESTS = $(shell grep -l "pytest.mark.fast" tests/test_*.py tests/*/test_*.py)
 test-fast: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -p no:cacheprovider -m "fast and not slow and not clients" $(FAST_TESTS)
+	$(PY) -m pytest -q -rs -p no:cacheprovider -m "fast and not slow and not clients" $(FAST_TESTS)
 
 # The torch DataLoader tests, with torch installed into $(VENV) from PyPI.
 test-torch: $(VENV)/.installed-torch
