@@ -13,7 +13,7 @@ import pytest
 import webdataset as wds
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from pipeline_helpers import wds_samples, write_tar
+from support.pipeline_helpers import wds_samples, write_tar
 
 from shardcache import ShardFormatError
 from shardcache.errors import GopenError

@@ -10,7 +10,7 @@ import pytest
 import webdataset as wds
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pipeline_helpers import serve_directory, wds_samples, write_tar
+from support.pipeline_helpers import serve_directory, wds_samples, write_tar
 
 from shardcache import ShardcacheError
 from shardcache.tariterators import tarfile_samples
