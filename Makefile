@@ -12,7 +12,7 @@ TORCH ?=
 # venv of their own, kept apart from the light $(VENV).
 CLIENTS_VENV := .venv-clients
 
-.PHONY: demo test test-torch test-clients test-http test-compat lint bench clean
+.PHONY: demo test test-fast test-torch test-clients test-http test-compat lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,15 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed-test $(if $(TORCH),$(VENV)/.installed-torch)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -rs -p no:cacheprovider -m "not clients"
+
+# The edit-test loop: the modules marked `fast` (decisions, policies, the settings table,
+# URLs, tar iterators, codec, import layers...), less their tests also marked `slow`;
+# under a minute here. Only the files that carry the marker are collected (collecting
+# all of tests/ imports every S3 and cloud client). `make test` runs everything.
+FAST_TESTS = $(shell grep -l "pytest.mark.fast" tests/test_*.py tests/*/test_*.py)
+test-fast: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -rs -p no:cacheprovider -m "fast and not slow and not clients" $(FAST_TESTS)
 
 # The torch DataLoader tests, with torch installed into $(VENV) from PyPI.
 test-torch: $(VENV)/.installed-torch

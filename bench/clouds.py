@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "s3"))
 
 from emulators import Azurite, FakeGCS  # noqa: E402
-from proxy_helpers import ProxyProcess, aws_env  # noqa: E402
+from support.proxy import ProxyProcess, aws_env  # noqa: E402
 
 CHUNK = 1 << 20
 

@@ -59,30 +59,33 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.proxy import (  # noqa: E402
+from bench.harness import (  # noqa: E402
+    INTERRUPTED,
     MIB,
-    WARMUP,
-    HttpConn,
     Procs,
     RssSampler,
-    Server,
-    ShardcacheServer,
-    can_drop_caches,
     check_alive,
     default_python,
+    drop_caches_allowed,
     fmt,
-    make_data,
+    interruptible,
     markdown,
     median,
     parse_sections,
     rotated,
     say,
     settle,
-    sigterm_as_interrupt,
     target_row,
-    variant_flags,
     wait_until,
     workdirs,
+)
+from bench.proxy import (  # noqa: E402
+    WARMUP,
+    HttpConn,
+    Server,
+    ShardcacheServer,
+    make_data,
+    variant_flags,
 )
 
 SECTIONS = ("origin", "range", "head", "unsat", "parts")
@@ -795,46 +798,37 @@ def main(argv: list[str] | None = None) -> int:
         root, rate, delay, port_file, log = args._origin
         ThrottledOrigin(Path(root), float(rate), float(delay)).serve(Path(port_file), Path(log))
         return 0
-    if args.drop_caches and not can_drop_caches():
-        say("cannot write /proc/sys/vm/drop_caches (not root?): cold starts only sync")
-        args.drop_caches = False
+    args.drop_caches = drop_caches_allowed(args.drop_caches)
     procs = Procs()
     t0 = time.monotonic()
     res: dict = {"config": {k: v for k, v in vars(args).items() if k != "_origin"}}
-    try:
-        with (
-            sigterm_as_interrupt(),
-            workdirs(args, int(args.size_mib * MIB), "shardcache-cold-") as (
-                tmp,
-                data,
-            ),
-        ):
-            try:
-                b = Bench(args, tmp, data, procs)
-                say(
-                    f"origin {b.origin.base}: {args.size_mib:g} MiB in {data}, "
-                    f"{args.rate:g} MB/s per connection, {args.delay * 1000:g} ms to first byte; "
-                    f"caches in {tmp}; page cache dropped before each run: "
-                    f"{'yes' if args.drop_caches else 'no'}"
-                )
-                sections = {
-                    "origin": b.check_origin,
-                    "range": b.range_section,
-                    "head": b.head_section,
-                    "unsat": b.unsat_section,
-                    "parts": b.parts_section,
-                }
-                for name in SECTIONS:
-                    if name in args.only:
-                        res[name] = sections[name]()
-                res["rss"] = b.rss
-                res["primary"] = sorted(b.primary)
-                direct = b.origin.name
-            finally:
-                procs.stop_all()
-    except KeyboardInterrupt:
-        print("interrupted; cleaning up", file=sys.stderr)
-        return 130
+    with (
+        interruptible() as interrupted,
+        workdirs(args, int(args.size_mib * MIB), "shardcache-cold-") as (tmp, data),
+        procs,
+    ):
+        b = Bench(args, tmp, data, procs)
+        say(
+            f"origin {b.origin.base}: {args.size_mib:g} MiB in {data}, "
+            f"{args.rate:g} MB/s per connection, {args.delay * 1000:g} ms to first byte; "
+            f"caches in {tmp}; page cache dropped before each run: "
+            f"{'yes' if args.drop_caches else 'no'}"
+        )
+        sections = {
+            "origin": b.check_origin,
+            "range": b.range_section,
+            "head": b.head_section,
+            "unsat": b.unsat_section,
+            "parts": b.parts_section,
+        }
+        for name in SECTIONS:
+            if name in args.only:
+                res[name] = sections[name]()
+        res["rss"] = b.rss
+        res["primary"] = sorted(b.primary)
+        direct = b.origin.name
+    if interrupted:
+        return INTERRUPTED
     res["elapsed_s"] = time.monotonic() - t0
     print()
     print(

@@ -4,7 +4,7 @@
     python bench/cold_range.py --size-mib 64 --rate 20
 
 A cold object of ``--size-mib`` MiB (default 12) is served by the misbehaving-origin test
-server of this repository (``tests/badorigin.py``, here well-behaved: 200/206 with
+server of this repository (``tests/support/badorigin.py``, here well-behaved: 200/206 with
 ETag, ``--rate`` MB/s per connection, 20 ms before each answer), which records every
 request and the body bytes it sent. For each transport (one stream on threads, parallel
 parts of 1 MiB, 4 at once) and each ``--cold-range`` mode, a proxy started on an empty
@@ -31,8 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from badorigin import BadOrigin, Version  # noqa: E402
-from proxy_helpers import ProxyProcess  # noqa: E402
+from support.origins import BadOrigin, Version  # noqa: E402
+from support.proxy import ProxyProcess  # noqa: E402
 
 MiB = 1 << 20
 TRANSPORTS = {

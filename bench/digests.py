@@ -38,6 +38,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.harness import rotated, wait_until  # noqa: E402
 
 VARIANTS = {
     "threads": ("--http-transport", "threads"),
@@ -178,8 +182,9 @@ def main() -> int:
         [sys.executable, __file__, "--origin", str(obj), str(port_file)], cwd=ROOT
     )
     try:
-        while not port_file.exists() or not port_file.read_text():
-            time.sleep(0.05)
+        wait_until(
+            lambda: port_file.exists() and port_file.read_text(), 30, "the origin's port file"
+        )
         url = f"http://127.0.0.1:{port_file.read_text()}"
         trees = {"base": args.base.resolve(), "digests": ROOT}
         cases = [
@@ -191,8 +196,7 @@ def main() -> int:
         results: dict[tuple[str, str, str], list[float]] = {c: [] for c in cases}
         cpus: dict[tuple[str, str, str], list[float]] = {c: [] for c in cases}
         for r in range(args.rounds):
-            order = cases if r % 2 == 0 else cases[::-1]
-            for case in order:
+            for case in rotated(cases, r):
                 tree, variant, path = case
                 rate, cpu = one_run(trees[tree], args.dir, url, variant, path, size)
                 results[case].append(rate)

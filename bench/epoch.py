@@ -88,26 +88,29 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.cold import ThrottledOrigin, parse_range  # noqa: E402
-from bench.proxy import (  # noqa: E402
+from bench.harness import (  # noqa: E402
+    INTERRUPTED,
     MIB,
-    WARMUP,
     Procs,
     RssSampler,
-    Server,
-    ShardcacheServer,
-    can_drop_caches,
     check_alive,
     default_python,
+    drop_caches_allowed,
     group_cpu_seconds,
+    interruptible,
     markdown,
     median,
     rotated,
     say,
     settle,
-    sigterm_as_interrupt,
     target_row,
     tmpfs_parent,
     wait_until,
+)
+from bench.proxy import (  # noqa: E402
+    WARMUP,
+    Server,
+    ShardcacheServer,
 )
 
 SCENARIOS = ("same", "shuffled", "half")
@@ -1222,9 +1225,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    if args.drop_caches and not can_drop_caches():
-        say("cannot write /proc/sys/vm/drop_caches (not root?): runs only sync")
-        args.drop_caches = False
+    args.drop_caches = drop_caches_allowed(args.drop_caches, "runs only sync")
     procs = Procs()
     t0 = time.monotonic()
     res: dict = {"config": {k: v for k, v in vars(args).items() if k != "_origin"}, "runs": []}
@@ -1239,34 +1240,30 @@ def main(argv=None) -> int:
         )
         data = data_root / "data"
     try:
-        with sigterm_as_interrupt():
-            try:
-                manifest = make_data(data, args)
-                res["data"] = {k: v for k, v in manifest.items() if k not in ("tar", "mds")}
-                b = Bench(args, tmp, data, manifest, procs)
-                ds_mib = manifest["tar_bytes"] / MIB
-                say(
-                    f"origin {b.origin.base}: {args.conn_mbs:g} MB/s per connection, "
-                    f"{args.total_mbs:g} MB/s in all, {args.delay * 1000:g} ms; readers "
-                    f"{WORKERS} x {args.consume_mbs / WORKERS:g} MB/s; dataset {ds_mib:.0f} MiB "
-                    f"(ideal epoch {manifest['sample_bytes'] / args.consume_mbs / 1e6:.1f} s); "
-                    f"page cache dropped before each run: {'yes' if args.drop_caches else 'no'}"
-                )
-                for r in range(args.rounds):
-                    for sc in args.scenarios:
-                        vs = [v for v in SCENARIO_VARIANTS[sc] if v in args.variants]
-                        for v in rotated(vs, r):
-                            say(f"  round {r + 1}: {sc} / {v}")
-                            res["runs"].append({"round": r + 1, **b.one(sc, v)})
-            finally:
-                procs.stop_all()
-    except KeyboardInterrupt:
-        print("interrupted; cleaning up", file=sys.stderr)
-        return 130
+        with interruptible() as interrupted, procs:
+            manifest = make_data(data, args)
+            res["data"] = {k: v for k, v in manifest.items() if k not in ("tar", "mds")}
+            b = Bench(args, tmp, data, manifest, procs)
+            ds_mib = manifest["tar_bytes"] / MIB
+            say(
+                f"origin {b.origin.base}: {args.conn_mbs:g} MB/s per connection, "
+                f"{args.total_mbs:g} MB/s in all, {args.delay * 1000:g} ms; readers "
+                f"{WORKERS} x {args.consume_mbs / WORKERS:g} MB/s; dataset {ds_mib:.0f} MiB "
+                f"(ideal epoch {manifest['sample_bytes'] / args.consume_mbs / 1e6:.1f} s); "
+                f"page cache dropped before each run: {'yes' if args.drop_caches else 'no'}"
+            )
+            for r in range(args.rounds):
+                for sc in args.scenarios:
+                    vs = [v for v in SCENARIO_VARIANTS[sc] if v in args.variants]
+                    for v in rotated(vs, r):
+                        say(f"  round {r + 1}: {sc} / {v}")
+                        res["runs"].append({"round": r + 1, **b.one(sc, v)})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if data_root is not None:
             shutil.rmtree(data_root, ignore_errors=True)
+    if interrupted:
+        return INTERRUPTED
     res["elapsed_s"] = time.monotonic() - t0
     res["summary"] = summarize(res["runs"], args.epochs)
     print()

@@ -41,7 +41,6 @@ import platform
 import random
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -56,20 +55,24 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.harness import (  # noqa: E402
+    INTERRUPTED,
+    Procs,
+    RssSampler,
+    check_alive,
+    interruptible,
+    markdown,
+    rotated,
+    say,
+)
 from bench.proxy import (  # noqa: E402
     NGINX,
     ORIGIN_SERVER,
     AiohttpOrigin,
     HttpConn,
     NginxServer,
-    Procs,
-    RssSampler,
     Server,
     ShardcacheServer,
-    check_alive,
-    markdown,
-    rotated,
-    say,
 )
 
 KIB = 1024
@@ -873,21 +876,14 @@ def main(argv: list[str] | None = None) -> int:
     say(f"command: {command}")
     procs = Procs()
     tmp = Path(tempfile.mkdtemp(prefix="shardcache-hits-", dir=args.dir))
-
-    def on_term(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, on_term)
     t0 = time.monotonic()
     try:
-        res = bench(args, tmp, procs)
-    except KeyboardInterrupt:
-        print("interrupted; cleaning up", file=sys.stderr)
-        return 130
+        with interruptible() as interrupted, procs:
+            res = bench(args, tmp, procs)
     finally:
-        procs.stop_all()
         shutil.rmtree(tmp, ignore_errors=True)
-        signal.signal(signal.SIGTERM, old)
+    if interrupted:
+        return INTERRUPTED
     res["command"] = command
     res["wall_s"] = time.monotonic() - t0
     res["config"] = vars(args)

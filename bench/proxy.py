@@ -51,22 +51,47 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.harness import (  # noqa: E402
+    INTERRUPTED,
+    Procs,
+    RssSampler,
+    check_alive,
+    default_python,
+    drop_caches_allowed,
+    fmt,
+    free_port,
+    group_cpu_seconds,
+    http_headers,
+    http_status,
+    interruptible,
+    markdown,
+    median,
+    parse_sections,
+    ratio,
+    rotated,
+    say,
+    settle,
+    target_row,
+    wait_until,
+    workdirs,
+)
+
 NGINX = "/usr/sbin/nginx"
 VARNISHD = "/usr/sbin/varnishd"
 CURL = shutil.which("curl") or "/usr/bin/curl"
@@ -74,110 +99,6 @@ MIB = 1 << 20
 
 # ---------------------------------------------------------------------------------------
 # processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-DROP_CACHES = Path("/proc/sys/vm/drop_caches")
-
-
-def settle(drop: bool = True) -> float:
-    """Before a cold start: ``sync`` (so that no system pays for writes another one left
-    dirty), then drop the page cache when permitted (root) and ``drop`` is set. Returns the
-    seconds ``sync`` took, which is the writeback the previous run left behind."""
-    t = time.monotonic()
-    os.sync()
-    took = time.monotonic() - t
-    if drop:
-        try:
-            DROP_CACHES.write_text("3\n")
-        except OSError:
-            pass
-    return took
-
-
-def can_drop_caches() -> bool:
-    return os.access(DROP_CACHES, os.W_OK)
-
-
-def http_status(url: str, timeout: float = 2.0, method: str = "GET") -> int | None:
-    req = urllib.request.Request(url, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return None
-
-
-def http_headers(url: str, timeout: float = 5.0) -> dict[str, str]:
-    req = urllib.request.Request(url, method="HEAD")
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return dict(r.headers)
-
-
-class Procs:
-    """Every process this script starts, each the leader of its own process group, so
-    that stopping it also stops its workers (nginx, varnishd children)."""
-
-    def __init__(self) -> None:
-        self.live: list[subprocess.Popen] = []
-
-    def start(self, argv: list[str], log: Path, env: dict[str, str] | None = None):
-        with open(log, "ab") as f:
-            p = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=env,
-                cwd=str(ROOT),
-            )
-        self.live.append(p)
-        return p
-
-    def stop(self, p: subprocess.Popen, timeout: float = 15.0) -> None:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
-        # workers of a group whose leader exited
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, signal.SIGKILL)
-        if p in self.live:
-            self.live.remove(p)
-
-    def stop_all(self) -> None:
-        for p in list(self.live):
-            with contextlib.suppress(Exception):
-                self.stop(p, timeout=5.0)
-
-
-def check_alive(p: subprocess.Popen, name: str, log: Path) -> bool:
-    if p.poll() is not None:
-        tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-        raise RuntimeError(f"{name} exited with {p.returncode}:\n{tail}")
-    return True
 
 
 # ---------------------------------------------------------------------------------------
@@ -714,40 +635,6 @@ def run_clients(
     }
 
 
-class RssSampler:
-    """Peak VmRSS of one process, sampled every ``interval`` seconds in a thread."""
-
-    def __init__(self, pid: int, interval: float = 0.05) -> None:
-        self.pid = pid
-        self.interval = interval
-        self.peak_kib = 0
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        path = f"/proc/{self.pid}/status"
-        while not self._stop.is_set():
-            try:
-                with open(path) as f:
-                    for line in f:
-                        if line.startswith("VmRSS:"):
-                            self.peak_kib = max(self.peak_kib, int(line.split()[1]))
-                            self.samples += 1
-                            break
-            except OSError:
-                return
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-
 def log_bytes(log: Path, offset: int, name: str) -> int:
     """Body bytes the origin logged for ``/name`` after ``offset``."""
     total = 0
@@ -788,39 +675,11 @@ def make_data(data: Path, shards: int, shard_mib: float, big_mib: float) -> dict
 # the run
 
 
-def rotated(items: list, r: int) -> list:
-    """Round r runs the contenders in turn, alternating direction between rounds."""
-    return list(items) if r % 2 == 0 else list(reversed(items))
-
-
-def say(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
 def throughput_plan(servers: dict[str, Server], names: list[str], clients: int) -> dict:
     return {
         label: [[f"{servers[label].base}/{n}" for n in names[i::clients]] for i in range(clients)]
         for label in servers
     }
-
-
-def tmpfs_parent(need: int, fallback: str | None) -> str | None:
-    """Where the origin's data goes: ``/dev/shm`` when it is writable with room for
-    ``need`` bytes twice over (dropping the page cache before each cold start then leaves
-    the origin's files in RAM, so every system reads the same fast origin and only the
-    caches touch the disk), else ``fallback``."""
-    shm = "/dev/shm"
-    try:
-        st = os.statvfs(shm)
-    except OSError:
-        return fallback
-    if os.access(shm, os.W_OK) and st.f_bavail * st.f_frsize > 2 * need:
-        return shm
-    return fallback
 
 
 SECTIONS = ("warm", "cold", "big")
@@ -835,25 +694,6 @@ TARGETS = {
     "big_ttfb_s": 0.050,  # <=
     "rss_mb": 150.0,  # <=
 }
-
-
-def group_cpu_seconds(pgid: int | None) -> float:
-    """User + system CPU seconds of every live process in process group ``pgid`` (each
-    server this script starts leads its own group: nginx's master and workers, varnishd's
-    manager and child, the proxy and its threads)."""
-    if pgid is None:
-        return 0.0
-    ticks = 0
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def cold_run(
@@ -915,9 +755,7 @@ def bench(args: argparse.Namespace, tmp: Path, data: Path, procs: Procs) -> dict
         say(f"nginx not found at {NGINX} (or --no-nginx): aiohttp origin, no proxy_cache rows")
     if not have_varnish:
         say(f"varnishd not found at {VARNISHD} (or --no-varnish): no Varnish rows")
-    if args.drop_caches and not can_drop_caches():
-        say("cannot write /proc/sys/vm/drop_caches (not root?): cold starts only sync")
-        args.drop_caches = False
+    args.drop_caches = drop_caches_allowed(args.drop_caches)
 
     say(f"generating {args.shards} x {args.shard_mib} MiB + {args.big_mib} MiB in {data}")
     sizes = make_data(data, args.shards, args.shard_mib, args.big_mib)
@@ -1065,42 +903,6 @@ def bench(args: argparse.Namespace, tmp: Path, data: Path, procs: Procs) -> dict
     return res
 
 
-def verdict(ok: bool | None) -> str:
-    return "n/a" if ok is None else ("PASS" if ok else "MISS")
-
-
-def fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def ratio(a: float | None, z: float | None) -> float | None:
-    return None if a is None or not z else a / z
-
-
-def target_row(
-    measure: str,
-    mine: str,
-    theirs: str,
-    r: float | None,
-    op: str,
-    target: float,
-    unit: str = "x",
-    spec: str = ".2f",
-) -> list[str]:
-    """One row of a targets table: ``r`` compared with ``target`` by ``op`` (>=, <= or =,
-    the last to two decimals)."""
-    if r is None:
-        ok = None
-    elif op == ">=":
-        ok = r >= target
-    elif op == "<=":
-        ok = r <= target
-    else:
-        ok = round(r, 2) == round(target, 2)
-    shown = "-" if r is None else f"{r:{spec}}{unit}"
-    return [measure, mine, theirs, shown, f"{op} {target:{spec}}{unit}", verdict(ok)]
-
-
 def table(res: dict, big_clients: int) -> list[list[str]]:
     """Rows: measure, shardcache, comparison, ratio, target, result."""
     head, ngx, var = res["head"], res["nginx"], res["varnish"]
@@ -1187,12 +989,6 @@ def table(res: dict, big_clients: int) -> list[list[str]]:
     return rows
 
 
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out)
-
-
 DETAIL_HEADER = [
     "server",
     "warm GB/s",
@@ -1243,19 +1039,6 @@ def detail_rows(res: dict) -> list[list[str]]:
             ]
         )
     return rows
-
-
-def parse_sections(text: str, allowed: tuple[str, ...]) -> list[str]:
-    picked = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in picked if x not in allowed]
-    if bad or not picked:
-        raise argparse.ArgumentTypeError(f"pick from {','.join(allowed)} (got {text!r})")
-    return picked
-
-
-def default_python() -> str:
-    venv = ROOT / ".venv/bin/python"
-    return str(venv) if venv.exists() else sys.executable
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1329,32 +1112,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-@contextlib.contextmanager
-def workdirs(args: argparse.Namespace, need: int, prefix: str):
-    """(tmp, data): a temporary directory for caches and logs under ``--dir`` and one for
-    the origin's data (tmpfs when it has room, see ``tmpfs_parent``); both removed after."""
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=args.dir))
-    parent = args.data_dir or tmpfs_parent(need, args.dir)
-    data_root = Path(tempfile.mkdtemp(prefix=prefix + "data-", dir=parent))
-    try:
-        yield tmp, data_root / "data"
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(data_root, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    def on_term(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not os.access(CURL, os.X_OK) and args.client == "curl":
@@ -1363,15 +1120,14 @@ def main(argv: list[str] | None = None) -> int:
     procs = Procs()
     need = int((args.shards * args.shard_mib + args.big_mib) * MIB)
     t0 = time.monotonic()
-    try:
-        with sigterm_as_interrupt(), workdirs(args, need, "shardcache-bench-") as (tmp, data):
-            try:
-                res = bench(args, tmp, data, procs)
-            finally:
-                procs.stop_all()
-    except KeyboardInterrupt:
-        print("interrupted; cleaning up", file=sys.stderr)
-        return 130
+    with (
+        interruptible() as interrupted,
+        workdirs(args, need, "shardcache-bench-") as (tmp, data),
+        procs,
+    ):
+        res = bench(args, tmp, data, procs)
+    if interrupted:
+        return INTERRUPTED
     res["elapsed_s"] = time.monotonic() - t0
 
     print()

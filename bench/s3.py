@@ -42,22 +42,25 @@ sys.path.insert(0, str(ROOT / "tests" / "s3"))
 
 from s3server import SeaweedS3  # noqa: E402
 
-from bench.proxy import (  # noqa: E402
+from bench.harness import (  # noqa: E402
+    INTERRUPTED,
     MIB,
-    HttpConn,
     Procs,
     RssSampler,
-    ShardcacheServer,
-    can_drop_caches,
     default_python,
+    drop_caches_allowed,
     group_cpu_seconds,
+    interruptible,
     markdown,
     parse_sections,
     say,
     settle,
-    sigterm_as_interrupt,
     target_row,
     workdirs,
+)
+from bench.proxy import (  # noqa: E402
+    HttpConn,
+    ShardcacheServer,
 )
 
 BUCKET = "bench"
@@ -168,9 +171,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.drop_caches and not can_drop_caches():
-        say("cannot write /proc/sys/vm/drop_caches (not root?): cold reads only sync")
-        args.drop_caches = False
+    args.drop_caches = drop_caches_allowed(args.drop_caches, "cold reads only sync")
     import boto3
     from botocore import UNSIGNED
     from botocore.config import Config
@@ -180,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     procs = Procs()
     res: dict = {"config": vars(args)}
     rows: list[list[str]] = []
-    with sigterm_as_interrupt(), workdirs(args, 3 * size, "shardcache-s3-") as (tmp, data):
+    with (
+        interruptible() as interrupted,
+        workdirs(args, 3 * size, "shardcache-s3-") as (tmp, data),
+    ):
         say(f"starting SeaweedFS in {data}...")
         seaweed = SeaweedS3.start(data / "seaweed")
         try:
@@ -334,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             procs.stop_all()
             seaweed.stop()
+    if interrupted:
+        return INTERRUPTED
     res["elapsed_s"] = time.monotonic() - t0
     print()
     print(

@@ -16,8 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-from tests.proxy_helpers import Origin
+from support.proxy_helpers import Origin
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "docker" / "systemd" / "shardcache.service"

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from badorigin import BadOrigin, Version
-from faultclient import fetch, settle
-from proxy_helpers import ProxyProcess
+from support.badorigin import BadOrigin, Version
+from support.faultclient import fetch, settle
+from support.proxy_helpers import ProxyProcess
 
 from proxy.policy import must_revalidate_each_use, vary_forbids
 
@@ -40,18 +40,13 @@ def test_vary_rule():
 
 
 @pytest.fixture
-def origin():
-    with BadOrigin() as o:
-        yield o
+def origin(bad_origin: BadOrigin) -> BadOrigin:
+    return bad_origin
 
 
 @pytest.fixture
-def proxy(origin, tmp_path):
-    p = ProxyProcess(tmp_path / "cache", "--upstream", origin.url, *COMMON).start()
-    try:
-        yield p
-    finally:
-        p.stop(timeout=10)
+def proxy_args() -> tuple[str, ...]:
+    return COMMON
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]

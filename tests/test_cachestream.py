@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from httporigin import Origin
+from support.httporigin import Origin
 
 from shardcache.cachestream import CacheStream, cache_shards, stream_length
 from shardcache.errors import GopenError, HTTPStatusError, IncompleteDownloadError

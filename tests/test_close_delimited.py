@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from badorigin import BadOrigin, Version
-from faultclient import TRANSPORTS, check_rule, fetch, settle, stats
-from proxy_helpers import ProxyProcess
+from support.faultclient import TRANSPORTS, check_rule, fetch, settle, stats
+from support.origins import BadOrigin, Version
+from support.proxy import ProxyProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -24,26 +24,14 @@ ETAG = '"v1-0123456789abcdef"'
 COMMON = ("--retries", "2", "--read-timeout", "5", "--grace-period", "1", "--min-free", "0")
 
 
-@pytest.fixture(params=list(TRANSPORTS))
-def transport(request) -> str:
-    return request.param
+@pytest.fixture
+def origin(bad_origin: BadOrigin) -> BadOrigin:
+    return bad_origin
 
 
 @pytest.fixture
-def origin():
-    with BadOrigin() as o:
-        yield o
-
-
-@pytest.fixture
-def proxy(origin, transport, tmp_path):
-    p = ProxyProcess(
-        tmp_path / "cache", "--upstream", origin.url, *COMMON, *TRANSPORTS[transport]
-    ).start()
-    try:
-        yield p
-    finally:
-        p.stop(timeout=10)
+def proxy_args(transport: str) -> tuple[str, ...]:
+    return (*COMMON, *TRANSPORTS[transport])
 
 
 def unconfirmed(p: ProxyProcess) -> float:

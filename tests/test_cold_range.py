@@ -21,9 +21,10 @@ import re
 import time
 
 import pytest
-from badorigin import BadOrigin, Version
-from proxy_helpers import ProxyProcess
-from test_upstream_faults import COMMON, ETAG_OLD, LM_OLD, fetch, settle, tail_of
+from support.faultclient import COMMON, ETAG_OLD, LM_OLD, fetch, settle, tail_of
+from support.origins import BadOrigin, Version
+from support.proxy import ProxyProcess
+from support.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -46,9 +47,8 @@ def data() -> bytes:
 
 
 @pytest.fixture
-def origin():
-    with BadOrigin() as o:
-        yield o
+def origin(bad_origin: BadOrigin) -> BadOrigin:
+    return bad_origin
 
 
 def start_proxy(tmp_path, origin: BadOrigin, transport: str, mode: str) -> ProxyProcess:
@@ -76,14 +76,12 @@ def sent(origin: BadOrigin) -> int:
 
 def wait_cached(p: ProxyProcess) -> None:
     """The object's download committed: a plain GET is a HIT."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+
+    def hit() -> bool:
         settle(p, timeout=20)
-        r = fetch(p.port, f"/{NAME}", "HEAD")
-        if r.headers.get("x-cache") == "HIT":
-            return
-        time.sleep(0.1)
-    raise AssertionError("the object was never cached\n" + tail_of(p))
+        return fetch(p.port, f"/{NAME}", "HEAD").headers.get("x-cache") == "HIT"
+
+    wait_until(hit, 20, interval=0.1, what=lambda: "the object to be cached\n" + tail_of(p))
 
 
 # --- a ranged answer the proxy cannot use --------------------------------------------------
@@ -193,10 +191,8 @@ def test_a_range_far_ahead_of_a_running_download(origin, data, tmp_path, transpo
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             whole = pool.submit(fetch, p.port, f"/{NAME}", timeout=30)
-            deadline = time.monotonic() + 5
-            while not origin.log(NAME, "GET") and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(0.2)
+            wait_until(lambda: origin.log(NAME, "GET"), 5, 0.01, "the download's GET")
+            time.sleep(0.2)  # a delay on purpose: the download is under way, not at its start
             a = 10 * MiB
             r = fetch(p.port, f"/{NAME}", headers={"Range": f"bytes={a}-{a + 99_999}"})
             w = whole.result()

@@ -13,9 +13,9 @@ import os
 import signal
 
 import pytest
-from badorigin import BadOrigin, Version
-from faultclient import fetch, settle
-from proxy_helpers import ProxyProcess
+from support.badorigin import BadOrigin, Version
+from support.faultclient import fetch, settle
+from support.proxy_helpers import ProxyProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -27,11 +27,6 @@ TRANSPORTS = {
     "aiohttp": ("--http-transport", "aiohttp"),
     "parts": ("--http-parts", "on", "--part-size", "1MiB", "--parallel", "4"),
 }
-
-
-@pytest.fixture(params=list(TRANSPORTS))
-def transport(request) -> str:
-    return request.param
 
 
 def test_a_clean_end_survives_kill_9(transport, tmp_path):

@@ -8,9 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from proxy.config import CONFIG_FILE, SETTINGS
 from shardcache.cli import build_parser
 from shardcache.cli.configref import _subparser, configuration_reference
+
+pytestmark = pytest.mark.fast
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -51,6 +55,7 @@ def test_the_doc_states_the_size_units():
     assert "G = 10^9 bytes" in text and "GiB = 2^30 bytes" in text
 
 
+@pytest.mark.slow  # a subprocess: left to `make test`
 def test_check_mode_accepts_the_committed_file():
     script = DOC.parent / "gen_configuration.py"
     res = subprocess.run(

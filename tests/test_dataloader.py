@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from test_dbcache import shard_samples, write_shard
+from support.data import shard_samples, write_shard
 
 from dbcache import DBCache
 

@@ -10,7 +10,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from httporigin import Origin
+from support.httporigin import Origin
 
 from shardcache.errors import ConfigError, HTTPStatusError, IncompleteDownloadError
 from shardcache.sources import CachedSource, DataSource, URLSource

@@ -1,15 +1,14 @@
 """DBCache against real SQLite files: filling, reading, ordering, resuming, bad files."""
 
-import io
 import logging
 import os
 import pickle
 import re
 import sqlite3
-import tarfile
 
 import numpy as np
 import pytest
+from support.data import shard_samples, write_shard
 
 from dbcache import DBCache, DBCacheError, get_uuid
 from shardcache.errors import ShardcacheError
@@ -537,27 +536,6 @@ def test_verbose_logs_progress(tmp_path, caplog):
 
 
 # -- with real webdataset pipelines over real tar files ------------------------------------
-
-
-def write_shard(path, samples):
-    with tarfile.open(path, "w") as tar:
-        for sample in samples:
-            for name, value in sample.items():
-                if name.startswith("__"):
-                    continue
-                member = tarfile.TarInfo(f"{sample['__key__']}.{name}")
-                member.size = len(value)
-                tar.addfile(member, io.BytesIO(value))
-
-
-def shard_samples(nshards, per_shard):
-    return [
-        [
-            {"__key__": f"s{k}-{i:04d}", "jpg": os.urandom(100), "cls": str(i).encode()}
-            for i in range(per_shard)
-        ]
-        for k in range(nshards)
-    ]
 
 
 def test_after_a_webdataset_pipeline(tmp_path):

@@ -9,7 +9,7 @@ import sys
 import threading
 
 import pytest
-from test_dbcache import write_shard
+from support.data import write_shard
 
 from dbcache import DBCache
 
@@ -246,7 +246,7 @@ def test_a_failed_build_leaves_no_empty_file_behind(tmp_path, serve, shards):
 @pytest.fixture(scope="module")
 def proxy_and_origin(tmp_path_factory):
     """A real proxy (``shardcache serve --upstream val=ORIGIN``) in front of a real origin."""
-    from opshelpers import Origin, ProxyProcess, running
+    from support.opshelpers import Origin, ProxyProcess, running
 
     tmp = tmp_path_factory.mktemp("dbproxy")
     files = {}
@@ -330,7 +330,7 @@ def test_build_names_a_url_outside_the_upstreams(tmp_path, proxy_and_origin):
 
 
 def test_build_through_a_proxy_that_is_not_running(tmp_path):
-    from opshelpers import free_port
+    from support.opshelpers import free_port
 
     proxy = f"http://127.0.0.1:{free_port()}"
     db = str(tmp_path / "val.db")

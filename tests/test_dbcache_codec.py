@@ -21,6 +21,8 @@ from dbcache import (
 )
 from dbcache._codec import safe_decode_rows
 
+pytestmark = pytest.mark.fast
+
 scalars = (
     st.none()
     | st.booleans()

@@ -6,6 +6,8 @@ import pytest
 
 from proxy.decide import Claim, Facts, Step, XCache, decide
 
+pytestmark = pytest.mark.fast
+
 LOOKED = Facts(looked_up=True)
 
 

@@ -21,9 +21,7 @@ from pathlib import Path
 
 import google_crc32c
 import pytest
-from badorigin import BadOrigin, Version
-from proxy_helpers import ProxyProcess
-from test_upstream_faults import (
+from support.faultclient import (
     COMMON,
     ETAG_OLD,
     LM_OLD,
@@ -34,6 +32,8 @@ from test_upstream_faults import (
     settle,
     stats,
 )
+from support.origins import BadOrigin, Version
+from support.proxy import ProxyProcess
 
 from shardcache.digests import Digester, declared_digests, file_digests
 from shardcache.store import Store
@@ -149,26 +149,9 @@ def test_file_digests(tmp_path):
 # --- through the proxy ----------------------------------------------------------------------
 
 
-@pytest.fixture(params=list(TRANSPORTS))
-def transport(request) -> str:
-    return request.param
-
-
 @pytest.fixture
-def origin():
-    with BadOrigin() as o:
-        yield o
-
-
-@pytest.fixture
-def proxy(origin, transport, tmp_path):
-    p = ProxyProcess(
-        tmp_path / "cache", "--upstream", origin.url, *COMMON, *TRANSPORTS[transport]
-    ).start()
-    try:
-        yield p
-    finally:
-        p.stop(timeout=10)
+def origin(bad_origin: BadOrigin) -> BadOrigin:
+    return bad_origin
 
 
 def entries(p: ProxyProcess) -> dict[str, dict[str, str]]:

@@ -18,6 +18,8 @@ import pytest
 from shardcache.eviction import PlanSnapshot, choose_victims_planned, next_uses
 from shardcache.store import choose_victims
 
+pytestmark = pytest.mark.fast
+
 
 @dataclass
 class R:

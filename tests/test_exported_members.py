@@ -3,7 +3,11 @@
 import subprocess
 import sys
 
+import pytest
+
 import shardcache
+
+pytestmark = pytest.mark.fast
 
 EXPECTED = {
     "__version__",

@@ -21,9 +21,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from badorigin import BadOrigin, Version
-from proxy_helpers import ProxyProcess
-from test_upstream_faults import (
+from support.faultclient import (
     COMMON,
     CUT40,
     ETAG_OLD,
@@ -37,6 +35,8 @@ from test_upstream_faults import (
     settle,
     tail_of,
 )
+from support.origins import BadOrigin, Version
+from support.proxy import ProxyProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -53,20 +53,13 @@ def transport(request) -> str:
 
 
 @pytest.fixture
-def origin():
-    with BadOrigin() as o:
-        yield o
+def origin(bad_origin: BadOrigin) -> BadOrigin:
+    return bad_origin
 
 
 @pytest.fixture
-def proxy(origin, transport, tmp_path):
-    p = ProxyProcess(
-        tmp_path / "cache", "--upstream", origin.url, *COMMON, *FRAMINGS[transport]
-    ).start()
-    try:
-        yield p
-    finally:
-        p.stop(timeout=10)
+def proxy_args(transport: str) -> tuple[str, ...]:
+    return (*COMMON, *FRAMINGS[transport])
 
 
 def add(origin: BadOrigin, transport: str, data: bytes, **faults):

@@ -13,19 +13,12 @@ import signal
 import urllib.request
 
 import pytest
-from proxy_helpers import Fault, Origin, ProxyProcess
+from support.proxy_helpers import Fault, ProxyProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 MiB = 1 << 20
 LIMIT = 6 * MiB
-
-
-@pytest.fixture
-def origin():
-    o = Origin().start()
-    yield o
-    o.stop()
 
 
 def start_limited(cache_dir, *args: str) -> ProxyProcess:

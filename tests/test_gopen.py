@@ -13,6 +13,8 @@ import pytest
 from shardcache import GopenError, GopenException, HTTPStatusError, ShardcacheError
 from shardcache.gopen import gopen
 
+pytestmark = pytest.mark.fast
+
 BODY = os.urandom(3 * 1024 * 1024 + 17)
 FIRST = 64 * 1024
 

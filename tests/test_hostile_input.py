@@ -28,8 +28,9 @@ import time
 from pathlib import Path
 
 import pytest
-from badorigin import BadOrigin, Scenario, Version
-from proxy_helpers import ProxyProcess
+from support.badorigin import BadOrigin, Scenario, Version
+from support.proxy import wait_idle
+from support.proxy_helpers import ProxyProcess
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -324,7 +325,7 @@ def test_an_upstream_length_that_is_no_number_is_never_committed(tmp_path, trans
                 if b"transfer-encoding: chunked" in head.lower():
                     body = dechunk(body)
                 assert body == BadLengthOrigin.BODY
-            time.sleep(0.3)
+            wait_idle(p.port)  # the download is over, committed or not
             stats = json.loads(get(p.port, "/-/stats")[2])
             assert stats["entries"] == 0, (length[:8], stats)
         finally:

@@ -10,6 +10,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("proxy", "shardcache", "dbcache")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_ops_lint import ALL_MANIFESTS, K8S, MANIFESTS, SIDECAR_RECIPES, is_crd, run, tool
+from support.deploy import ALL_MANIFESTS, K8S, MANIFESTS, SIDECAR_RECIPES, is_crd, run, tool
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "docker" / "Dockerfile"

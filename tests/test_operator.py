@@ -9,15 +9,16 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+from support.proxy import wait_idle
+from support.proxy_helpers import Fault, Origin, ProxyProcess
+from support.wait import wait_until
 
 from shardcache.store import Store
-from tests.proxy_helpers import Fault, Origin, ProxyProcess
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -61,23 +62,16 @@ def get(proxy: ProxyProcess, path: str) -> tuple[int, str | None, bytes]:
 
 
 def settle(proxy: ProxyProcess, timeout: float = 15) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = call(proxy, "GET", "/-/stats")[1]
-        if st["in_flight"] == 0 and st.get("reserved", 0) == 0:
-            return st
-        assert time.monotonic() < deadline, st
-        time.sleep(0.05)
+    return wait_idle(proxy.port, timeout)
 
 
 def wait_log(proxy: ProxyProcess, pattern: str, timeout: float = 10) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = re.search(pattern, proxy.log_text())
-        if m:
-            return m.group(0)
-        assert time.monotonic() < deadline, f"no {pattern!r} in:\n{proxy.log_text()}"
-        time.sleep(0.05)
+    m = wait_until(
+        lambda: re.search(pattern, proxy.log_text()),
+        timeout,
+        what=lambda: f"{pattern!r} in:\n{proxy.log_text()}",
+    )
+    return m.group(0)
 
 
 # --- sizes in logs, and the bound named --------------------------------------------------
@@ -351,9 +345,7 @@ def test_the_prefetch_route_maps_urls_as_read_plans_do(rig):
     status, answer, _ = call(proxy, "POST", "/-/prefetch", body)
     assert status == 202, answer
     settle(proxy)
-    deadline = time.monotonic() + 10
-    while sum(origin.gets.values()) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: sum(origin.gets.values()) >= 3, 10, what="three prefetched GETs")
     settle(proxy)
     for name in files:
         assert get(proxy, f"/{name}")[1] == "HIT", name

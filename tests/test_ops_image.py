@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import tomllib
 import yaml
-from opshelpers import Origin, free_port, http_get, make_shard, wait_healthy
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-from test_ops_lint import dashboard_exprs, dockerfile_final_stage, metric_names
+from support.deploy import dashboard_exprs, dockerfile_final_stage, metric_names
+from support.opshelpers import Origin, free_port, http_get, make_shard, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = str(Path(sys.executable).parent)

@@ -7,11 +7,6 @@ file, so a linter that silently passes everything fails here."""
 from __future__ import annotations
 
 import json
-import re
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,10 +16,17 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 import yaml
 from packaging.requirements import Requirement
-
-REPO = Path(__file__).resolve().parent.parent
-DOCKER = REPO / "docker"
-BIN = Path(sys.executable).parent
+from support.deploy import (
+    DOCKER,
+    MANIFESTS,
+    REPO,
+    SIDECAR_RECIPES,
+    dashboard_exprs,
+    dockerfile_final_stage,
+    metric_names,
+    run,
+    tool,
+)
 
 
 # The metric names DESIGN.md lists; a histogram also exports _bucket, _sum and _count.
@@ -45,20 +47,6 @@ EXPORTED_METRICS = _exported()
 HISTOGRAMS = {"shardcache_time_to_first_byte_seconds"}
 
 
-def tool(name: str) -> str:
-    path = BIN / name
-    if path.exists():
-        return str(path)
-    found = shutil.which(name)
-    if found is None:
-        pytest.fail(f"{name} is not installed (it is part of the test extra)")
-    return found
-
-
-def run(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
-
-
 # ------------------------------------------------------------------------------ Dockerfile
 
 
@@ -74,23 +62,6 @@ def test_hadolint_rejects_a_bad_dockerfile(tmp_path):
     assert res.returncode != 0
     assert "DL3007" in res.stdout  # latest tag
     assert "DL3013" in res.stdout  # unpinned pip install
-
-
-def dockerfile_final_stage() -> list[tuple[str, str]]:
-    """(instruction, argument) of the last stage, continuation lines joined."""
-    text = (DOCKER / "Dockerfile").read_text()
-    text = re.sub(r"\\\n", " ", text)
-    stages: list[list[tuple[str, str]]] = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        instr, _, arg = line.partition(" ")
-        if instr.upper() == "FROM":
-            stages.append([])
-        if stages:
-            stages[-1].append((instr.upper(), arg.strip()))
-    return stages[-1]
 
 
 def test_dockerfile_runtime_stage_shape():
@@ -142,23 +113,6 @@ def test_dockerignore_keeps_what_the_image_copies():
 
 
 # ------------------------------------------------------------------------------ Kubernetes
-
-K8S = DOCKER / "k8s"
-ALL_MANIFESTS = sorted(K8S.glob("*.yaml"))
-# kubernetes-validate has schemas for the core kinds only: the Prometheus Operator's
-# resources (monitoring.yaml) are checked by structure in tests/test_k8s.py.
-CRD_API_GROUPS = ("monitoring.coreos.com/",)
-
-
-def is_crd(doc: dict) -> bool:
-    return doc["apiVersion"].startswith(CRD_API_GROUPS)
-
-
-MANIFESTS = [
-    p for p in ALL_MANIFESTS if not all(is_crd(d) for d in yaml.safe_load_all(p.read_text()))
-]
-# the per-Pod sidecar recipes (daemonset.yaml is one proxy per node: tests/test_k8s.py)
-SIDECAR_RECIPES = [K8S / "job.yaml", K8S / "pod-hostpath.yaml"]
 
 
 @pytest.mark.parametrize("manifest", MANIFESTS, ids=lambda p: p.name)
@@ -267,20 +221,6 @@ def test_compose_example_wiring():
 
 
 # ------------------------------------------------------------------------------ Grafana
-
-
-def dashboard_exprs() -> list[str]:
-    dash = json.loads((DOCKER / "grafana" / "shardcache.json").read_text())
-    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
-    for var in dash["templating"]["list"]:
-        q = var.get("query")
-        if isinstance(q, dict):
-            exprs.append(q["query"])
-    return exprs
-
-
-def metric_names(expr: str) -> set[str]:
-    return set(re.findall(r"\bshardcache_[a-z0-9_]+", expr))
 
 
 def allowed_series() -> set[str]:

@@ -17,12 +17,12 @@ import concurrent.futures
 import gzip
 import hashlib
 import os
-import time
 
 import pytest
-from badorigin import BadOrigin, Version
-from faultclient import TRANSPORTS, fetch, settle
-from proxy_helpers import ProxyProcess
+from support.badorigin import BadOrigin, Version
+from support.faultclient import TRANSPORTS, fetch, settle
+from support.proxy_helpers import ProxyProcess
+from support.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -57,15 +57,9 @@ def assert_fields(r, what: str) -> None:
     assert r.headers.get("etag") == ETAG, what
 
 
-@pytest.fixture(params=list(TRANSPORTS))
-def transport(request) -> str:
-    return request.param
-
-
 @pytest.fixture
-def origin():
-    with BadOrigin() as o:
-        yield o
+def origin(bad_origin: BadOrigin) -> BadOrigin:
+    return bad_origin
 
 
 @pytest.mark.parametrize("size", [64 * KiB, 1 * MiB], ids=["ram-tier", "disk"])
@@ -90,7 +84,7 @@ def test_content_encoding_on_every_path(origin, transport, tmp_path, size):
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             first = pool.submit(fetch, p.port, "/obj.tar.gz")
-            time.sleep(0.05)
+            wait_until(lambda: origin.log("obj.tar.gz", "GET"), 10, 0.01, "the first download")
             second = pool.submit(fetch, p.port, "/obj.tar.gz")
             replies = [first.result(), second.result()]
         for r in replies:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import os
 
+import pytest
 from aiohttp import web
 
 from proxy.upstream.aio import AioTransport
 from proxy.upstream.parts import parts_pump
 from proxy.upstream.stream import Policy
 from shardcache.meta import ObjectMeta
+
+pytestmark = pytest.mark.fast
 
 PART = 64 << 10
 

@@ -21,7 +21,6 @@ import base64
 import concurrent.futures
 import email.utils
 import hashlib
-import http.client
 import os
 import re
 import threading
@@ -32,9 +31,20 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from proxy_helpers import Origin
-from store_faults import Rig, fill
-from test_store_trust import parts, stats
+from support.data import sha
+from support.passthrough import (
+    CLIENT_TIMEOUT,
+    Client,
+    Outcome,
+    assert_complete,
+    assert_old_or_aborted,
+    check_bookkeeping,
+    expected,
+    wait_for,
+)
+from support.proxy import part_files, stats
+from support.proxy_helpers import Origin
+from support.store_faults import Rig, fill
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -44,11 +54,6 @@ SIZE = 16 * MiB
 PAUSE = 5 * MiB + 12345  # not on a 2 MiB part boundary
 LM_OLD = "Mon, 01 Jan 2024 00:00:00 GMT"
 LM_NEW = "Mon, 01 Jan 2024 01:00:00 GMT"
-CLIENT_TIMEOUT = 30.0
-
-
-def sha(data: bytes | bytearray) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 # --- an origin whose object can be paused mid-body and replaced ---------------------------
@@ -191,73 +196,6 @@ class VersionedOrigin(Origin):
 # --- clients -------------------------------------------------------------------------------
 
 
-@dataclass
-class Client:
-    """One GET through the proxy, run in a thread; ``received`` grows as bytes arrive."""
-
-    label: str
-    start: int = 0
-    end: int | None = None  # exclusive; None: to the end of the object
-    ranged: bool = False
-    read_delay: float = 0.0  # seconds between the headers and the first read
-    status: int | None = None
-    headers: dict[str, str] = field(default_factory=dict)
-    body: bytearray = field(default_factory=bytearray)
-    error: str | None = None
-    got_headers: threading.Event = field(default_factory=threading.Event)
-    done_at: float = 0.0  # time.monotonic() when the response ended either way
-
-    @property
-    def received(self) -> int:
-        return len(self.body)
-
-    @property
-    def content_length(self) -> int | None:
-        v = self.headers.get("content-length")
-        return int(v) if v is not None else None
-
-    @property
-    def clean(self) -> bool:
-        """The response ended the way a complete one does: no error, every byte of its
-        Content-Length (the proxy always sends one here, so a cut is always visible)."""
-        return self.error is None and self.received == self.content_length
-
-    def run(self, port: int, path: str) -> Client:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=CLIENT_TIMEOUT)
-        try:
-            headers = {}
-            if self.ranged:
-                last = "" if self.end is None else str(self.end - 1)
-                headers["Range"] = f"bytes={self.start}-{last}"
-            conn.request("GET", path, headers=headers)
-            resp = conn.getresponse()
-            self.status = resp.status
-            self.headers = {k.lower(): v for k, v in resp.getheaders()}
-            self.got_headers.set()
-            if self.read_delay:
-                time.sleep(self.read_delay)
-            while True:
-                piece = resp.read1(256 * KiB)
-                if not piece:
-                    break
-                self.body += piece
-            if self.content_length is not None and self.received < self.content_length:
-                self.error = f"short body: {self.received} of {self.content_length} bytes"
-        except (OSError, http.client.HTTPException) as exc:
-            self.error = repr(exc)
-        finally:
-            self.got_headers.set()
-            conn.close()
-            self.done_at = time.monotonic()
-        return self
-
-    def describe(self) -> str:
-        return (
-            f"{self.label}: status {self.status} X-Cache {self.headers.get('x-cache')} "
-            f"length {self.content_length} received {self.received} error {self.error}"
-        )
-
-
 def standard_clients() -> list[Client]:
     """Two whole-object readers, a tail range, a range ending past the pause point (its
     continuation names an explicit end), and a reader that is still behind when the disk
@@ -271,10 +209,6 @@ def standard_clients() -> list[Client]:
     ]
 
 
-def expected(c: Client, data: bytes) -> bytes:
-    return data[c.start : len(data) if c.end is None else c.end]
-
-
 # --- the scenario ------------------------------------------------------------------------
 
 
@@ -285,29 +219,14 @@ def origin():
     o.stop()
 
 
-def wait_for(cond, timeout: float, what: str, tail=lambda: "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}\n{tail()}")
-        time.sleep(0.005)
-
-
 def part_size_now(cache: Path) -> int:
     total = 0
-    for n in parts(cache):
+    for n in part_files(cache):
         try:
             total += os.path.getsize(cache / n)
         except FileNotFoundError:
             pass
     return total
-
-
-@dataclass
-class Outcome:
-    clients: list[Client]
-    log: str
-    proxy_port: int
 
 
 def run_disk_full(
@@ -377,40 +296,6 @@ def run_disk_full(
     )
     check_bookkeeping(p.port, cache, tail)
     return Outcome(clients, log, p.port)
-
-
-def check_bookkeeping(port: int, cache: Path, tail) -> None:
-    """Once every request is done: no download in flight, no reservation, no .part file."""
-    deadline = time.monotonic() + 10
-    while True:
-        st = stats(port)
-        left = parts(cache)
-        if not left and st["reserved"] == 0 and st["in_flight"] == 0:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"leftovers: .part files {left}, stats {st}\n{tail()}")
-        time.sleep(0.05)
-
-
-def assert_complete(out: Outcome, data: bytes) -> None:
-    for c in out.clients:
-        want = expected(c, data)
-        assert c.clean, c.describe() + "\n" + out.log[-4000:]
-        assert c.status == (206 if c.ranged else 200), c.describe()
-        assert (c.received, sha(c.body)) == (len(want), sha(want)), c.describe()
-
-
-def assert_old_or_aborted(out: Outcome, old: bytes) -> None:
-    """Each client has the complete old bytes of its range, or a visibly broken body;
-    never a clean end after fewer bytes or after bytes of another version."""
-    for c in out.clients:
-        want = expected(c, old)
-        if c.clean:
-            assert sha(c.body) == sha(want), "clean response with wrong bytes: " + c.describe()
-        else:
-            assert c.received < len(want) or c.error, c.describe()
-            # what did arrive is a prefix of the old version
-            assert bytes(c.body) == want[: c.received], "wrong bytes before the abort"
 
 
 # --- 1: a full disk on each transport, the upstream healthy -------------------------------

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from proxy_helpers import Origin, ProxyProcess, make_shard
+from support.proxy_helpers import Origin, ProxyProcess, make_shard
+from support.wait import wait_until
 
 import shardcache
 from shardcache.cli import main as cli_main
@@ -582,9 +583,7 @@ def test_dataloader_workers_register_their_own_plans(stub):
     random.Random(3).shuffle(order)
     assert posts == {"job-b/worker-0": order[0::2], "job-b/worker-1": order[1::2]}
     # each worker read exactly its plan's order, carrying its plan's id
-    deadline = time.monotonic() + 10
-    while len(stub.of("DELETE")) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: len(stub.of("DELETE")) >= 2, 10, what="both plans deleted")
     ids = [d["path"].rsplit("/", 1)[1] for d in stub.of("DELETE")]
     assert len(ids) == 2 and not stub.plans
     by_plan: dict[str, list[str]] = {}
@@ -712,7 +711,7 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 @pytest.mark.parametrize("args", [["/a.tar"], ["--list"], ["--delete", "p-1"]])
 def test_cli_without_a_running_proxy_says_so_in_one_line(args):
-    from proxy_helpers import free_port
+    from support.proxy_helpers import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     res = cli("plan", *args, "--proxy", url)
@@ -735,15 +734,6 @@ def _get(url: str, headers: dict[str, str] | None = None) -> tuple[bytes, str]:
     req = urllib.request.Request(url, headers=headers or {})
     with urllib.request.urlopen(req, timeout=30) as resp:
         return resp.read(), resp.headers.get("X-Cache", "")
-
-
-def _wait_for(check, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
 
 
 E2E_SHARDS = {f"data/train-{i:03d}.tar": make_shard(4, seed=i) for i in range(6)}
@@ -801,7 +791,7 @@ def test_e2e_plan_downloads_ahead_and_follows_the_reader(fresh):
         assert first["name"] == "e2e/worker-0" and first["shards"] == 4
         assert first["position"] == 0 and not first["done"]
         # the proxy fetches the first shards of the plan before anyone asks
-        assert _wait_for(lambda: p.status()["ready_ahead_shards"] >= 2), p.status()
+        assert wait_until(lambda: p.status()["ready_ahead_shards"] >= 2, 15), p.status()
         assert origin.gets["data/train-002.tar"] == 1 and origin.gets["data/train-000.tar"] == 1
         for i, url in enumerate(urls):
             body, cache = _get(url, p.headers)
@@ -951,7 +941,7 @@ def test_e2e_cli_watch_ends_when_the_reader_is_done(fresh):
         cwd=ROOT,
     )
     try:
-        assert _wait_for(lambda: list_plans(proxy.url))
+        assert wait_until(lambda: list_plans(proxy.url), 15)
         for i in range(3):
             _get(f"{proxy.url}/data/train-{i:03d}.tar")
         out, err = watcher.communicate(timeout=30)
@@ -997,7 +987,7 @@ def test_e2e_cli_watch_on_a_terminal_shows_a_progress_bar(fresh):
                 return
 
     try:
-        assert _wait_for(lambda: list_plans(proxy.url))
+        assert wait_until(lambda: list_plans(proxy.url), 15)
         drain(0.5)
         for i in range(3):
             _get(f"{proxy.url}/data/train-{i:03d}.tar")

@@ -10,8 +10,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-from tests.proxy_helpers import Fault, Origin, ProxyProcess
+from support.proxy import wait_idle
+from support.proxy_helpers import Fault, Origin, ProxyProcess
+from support.wait import wait_until
 
 SHARD = 256 << 10
 
@@ -59,15 +60,6 @@ def _metric(proxy: ProxyProcess, name: str, labels: str = "") -> float:
         ):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def _wait(cond, timeout: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -193,10 +185,15 @@ def test_lookahead_downloads_the_next_shards_before_the_reader_asks(rig) -> None
     assert status == 201
     pid = body["id"]
     # the first three are downloaded without any read
-    _wait(lambda: all(origin.gets[f"s{i:02d}.tar"] == 1 for i in range(3)), what="lookahead")
-    _wait(
+    wait_until(
+        lambda: all(origin.gets[f"s{i:02d}.tar"] == 1 for i in range(3)),
+        what="lookahead",
+        timeout=15,
+    )
+    wait_until(
         lambda: _call(proxy, "GET", f"/-/plans/{pid}")[1]["ready_ahead_shards"] == 3,
         what="three shards ready",
+        timeout=15,
     )
     assert origin.gets["s05.tar"] == 0  # beyond the lookahead
     for i in range(8):
@@ -204,7 +201,9 @@ def test_lookahead_downloads_the_next_shards_before_the_reader_asks(rig) -> None
         assert status == 200
         assert isinstance(data, str) and len(data) == SHARD
     # a request's accounting ends just after its last byte went out
-    _wait(lambda: _call(proxy, "GET", f"/-/plans/{pid}")[1]["behind_bytes"] == 8 * SHARD)
+    wait_until(
+        lambda: _call(proxy, "GET", f"/-/plans/{pid}")[1]["behind_bytes"] == 8 * SHARD, timeout=15
+    )
     st = _call(proxy, "GET", f"/-/plans/{pid}")[1]
     assert st["position"] == 8 and st["done"]
     assert st["planned_hits"] >= 3
@@ -222,7 +221,7 @@ def test_eviction_keeps_the_shard_a_plan_reads_next(rig) -> None:
     status, body, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s03.tar", "/s00.tar"]})
     assert status == 201
     assert _get(proxy, "s03.tar")[0] == 200
-    _wait(lambda: origin.gets["s03.tar"] == 1)
+    wait_until(lambda: origin.gets["s03.tar"] == 1, timeout=15)
     status, cache, _ = _get(proxy, "s00.tar")
     assert (status, cache) == (200, "HIT")
     assert origin.gets["s00.tar"] == 1
@@ -261,7 +260,7 @@ def test_cyclic_epochs_over_twice_the_cache_keep_part_of_it_with_plans(rig) -> N
         for path in order:
             status, _, data = _get(proxy, path[1:], {"X-Shardcache-Plan": body["id"]})
             assert status == 200 and len(data) == SHARD
-        time.sleep(0.2)  # downloads started ahead have ended
+        wait_idle(proxy.port)  # downloads started ahead have ended
         assert _call(proxy, "DELETE", f"/-/plans/{body['id']}")[0] == 200
         fetched.append(sum(origin.gets.values()) - before)
     # LRU fetches all 12 every epoch. The optimum keeps the 6 the cache holds: each
@@ -303,7 +302,9 @@ def test_a_plan_reports_its_readers_wait_and_the_bytes_ready_ahead(rig) -> None:
     def ready() -> dict:
         return _call(proxy, "GET", f"/-/plans/{pid}")[1]
 
-    _wait(lambda: ready()["ready_ahead_shards"] == 2, what="two shards ready ahead")
+    wait_until(
+        lambda: ready()["ready_ahead_shards"] == 2, what="two shards ready ahead", timeout=15
+    )
     assert ready()["ready_ahead_bytes"] == 2 * SHARD
     gauge = _metric(proxy, "shardcache_plan_ready_ahead_bytes", f'{{plan="{pid}"}}')
     assert gauge == 2 * SHARD, gauge
@@ -318,7 +319,9 @@ def test_idle_plans_expire(rig) -> None:
     _, proxy = rig(_files(1), "--plan-ttl", "1")
     status, body, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"]})
     assert status == 201
-    _wait(lambda: _call(proxy, "GET", f"/-/plans/{body['id']}")[0] == 404, what="expiry")
+    wait_until(
+        lambda: _call(proxy, "GET", f"/-/plans/{body['id']}")[0] == 404, what="expiry", timeout=15
+    )
     assert "expired" in proxy.log_text()
 
 
@@ -338,9 +341,10 @@ def test_plans_are_shared_by_the_workers_of_one_port(rig) -> None:
     for i in range(8):
         status, _, data = _get(proxy, f"s{i:02d}.tar", {"X-Shardcache-Plan": pid})
         assert status == 200 and len(data) == SHARD
-    _wait(
+    wait_until(
         lambda: _call(proxy, "GET", f"/-/plans/{pid}")[1]["requests"] == 8,
         what="every worker's requests counted",
+        timeout=15,
     )
     st = _call(proxy, "GET", f"/-/plans/{pid}")[1]
     assert st["position"] == 8 and st["done"]
@@ -415,7 +419,7 @@ def test_a_failing_planned_shard_is_retried_with_backoff_not_hammered(rig) -> No
     origin, proxy = rig(files, faults={"s01.tar": Fault(status=500)})
     status, body, _ = _call(proxy, "POST", "/-/plans", {"pattern": "/s{00..02}.tar"})
     assert status == 201
-    _wait(lambda: origin.gets["s02.tar"] == 1, what="the lookahead")
+    wait_until(lambda: origin.gets["s02.tar"] == 1, what="the lookahead", timeout=15)
     time.sleep(2.0)
     # 1 s, then 2 s between tries: at most three in about two seconds
     assert 1 <= origin.gets["s01.tar"] <= 3, origin.gets
@@ -430,8 +434,8 @@ def test_a_lookahead_download_cut_by_the_origin_is_never_committed(rig) -> None:
     origin, proxy = rig(files, "--retries", "1", faults=faults)
     status, body, _ = _call(proxy, "POST", "/-/plans", {"pattern": "/s{00..01}.tar"})
     assert status == 201
-    _wait(lambda: origin.gets["s01.tar"] >= 2, what="the lookahead and its resume")
-    time.sleep(0.3)
+    wait_until(lambda: origin.gets["s01.tar"] >= 2, what="the lookahead and its resume", timeout=15)
+    wait_idle(proxy.port)  # the lookahead's download has given up
     st = _call(proxy, "GET", f"/-/plans/{body['id']}")[1]
     assert st["ready_ahead_shards"] <= 1  # s00 at most: s01 never became an entry
     # the reader's own request fails visibly: the connection breaks, never a short body
@@ -450,10 +454,10 @@ def test_plan_downloads_go_before_plain_prefetch(rig) -> None:
     origin, proxy = rig(files, "--prefetch-concurrency", "1", faults=slow)
     status, _, _ = _call(proxy, "POST", "/-/prefetch", {"pattern": "/s{00..03}.tar"})
     assert status == 202
-    _wait(lambda: sum(origin.gets.values()) >= 1, what="the first prefetch")
+    wait_until(lambda: sum(origin.gets.values()) >= 1, what="the first prefetch", timeout=15)
     status, _, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s05.tar", "/s04.tar"]})
     assert status == 201
-    _wait(lambda: sum(origin.gets.values()) == 6, timeout=30, what="all downloads")
+    wait_until(lambda: sum(origin.gets.values()) == 6, timeout=30, what="all downloads")
     order = [name for name, _, _ in origin.ranges]
     # one background download at a time: the plan's two come right after the prefetch
     # download that was running when the plan arrived
@@ -475,7 +479,7 @@ def test_plans_over_the_same_shards_share_their_downloads(rig) -> None:
     def ready(pid: str) -> int:
         return _call(proxy, "GET", f"/-/plans/{pid}")[1]["ready_ahead_shards"]
 
-    _wait(lambda: all(ready(pid) >= 4 for pid in ids), timeout=30, what="both lookaheads")
+    wait_until(lambda: all(ready(pid) >= 4 for pid in ids), timeout=30, what="both lookaheads")
     for i in range(6):
         for pid in ids:
             status, _, data = _get(proxy, f"s{i:02d}.tar", {"X-Shardcache-Plan": pid})
@@ -492,7 +496,9 @@ def test_a_demand_miss_never_waits_for_plan_downloads(rig) -> None:
     origin, proxy = rig(files, "--prefetch-concurrency", "1", faults=faults)
     try:
         assert _call(proxy, "POST", "/-/plans", {"pattern": "/s{00..03}.tar"})[0] == 201
-        _wait(lambda: origin.gets["s00.tar"] == 1, what="the plan's first download")
+        wait_until(
+            lambda: origin.gets["s00.tar"] == 1, what="the plan's first download", timeout=15
+        )
         began = time.monotonic()
         status, cache, data = _get(proxy, "s05.tar")  # a reader's miss, not in the plan
         took = time.monotonic() - began
@@ -512,7 +518,7 @@ def test_a_lookahead_in_bytes_bounds_the_shards_downloaded_ahead(rig) -> None:
     status, answer, _ = _call(proxy, "POST", "/-/plans", body)
     assert status == 201, answer
     assert answer["lookahead"] == {"shards": None, "bytes": int(2.5 * SHARD)}
-    _wait(lambda: sum(origin.gets.values()) >= 2, what="the lookahead")
+    wait_until(lambda: sum(origin.gets.values()) >= 2, what="the lookahead", timeout=15)
     time.sleep(1.0)  # several scheduler passes: nothing more is fetched
     assert sum(origin.gets.values()) == 2, dict(origin.gets)
     st = _call(proxy, "GET", f"/-/plans/{answer['id']}")[1]
@@ -544,7 +550,7 @@ def test_shutdown_does_not_wait_for_downloads_nobody_reads(rig) -> None:
     faults = {f"s{i:02d}.tar": Fault(gate=gate) for i in range(4)}
     origin, proxy = rig(files, faults=faults)
     assert _call(proxy, "POST", "/-/plans", {"pattern": "/s{00..03}.tar"})[0] == 201
-    _wait(lambda: sum(origin.gets.values()) >= 2, what="the lookahead")
+    wait_until(lambda: sum(origin.gets.values()) >= 2, what="the lookahead", timeout=15)
     began = time.monotonic()
     assert proxy.stop() == 0
     assert time.monotonic() - began < 8, "shutdown waited for downloads nobody reads"

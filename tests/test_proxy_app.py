@@ -10,7 +10,7 @@ import threading
 
 import aiohttp
 import pytest
-from proxy_helpers import Fault, Origin, free_port, raw_request
+from support.proxy_helpers import Fault, free_port, raw_request
 
 from proxy.app import INFLIGHT, METRICS, STORE, make_app
 from proxy.config import Settings
@@ -28,13 +28,6 @@ def blob(n: int, seed: int = 0) -> bytes:
         out += hashlib.sha256(f"{seed}-{i}".encode()).digest()
         i += 1
     return bytes(out[:n])
-
-
-@pytest.fixture
-def origin():
-    o = Origin().start()
-    yield o
-    o.stop()
 
 
 @pytest.fixture(params=["sendfile", "no_sendfile"])

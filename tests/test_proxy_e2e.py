@@ -8,35 +8,14 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 import uuid
 
 import pytest
-from proxy_helpers import Fault, Origin, ProxyProcess, make_shard
+from support.proxy_helpers import Fault, make_shard
+from support.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-
-
-@pytest.fixture
-def origin():
-    o = Origin().start()
-    yield o
-    o.stop()
-
-
-@pytest.fixture
-def proxies(tmp_path):
-    started: list[ProxyProcess] = []
-
-    def start(*args: str, cache_dir=None, env=None) -> ProxyProcess:
-        p = ProxyProcess(cache_dir or tmp_path / "cache", *args, env=env).start()
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        p.stop(signal.SIGKILL)
 
 
 def curl(url: str, *args: str, timeout: float = 60) -> tuple[int, bytes, str]:
@@ -124,9 +103,7 @@ def test_kill_9_mid_download_then_restart(origin, proxies, tmp_path):
     p = proxies("--upstream", origin.url, cache_dir=cache)
     assert curl(f"{p.url}/warm.tar", "-f")[1] == warm
     # the last byte may reach the client before the commit (fsync, rename) is over
-    deadline = time.monotonic() + 10
-    while parts(cache) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: not parts(cache), 10, 0.02, "the commit")
     assert not parts(cache)
     got: dict = {}
 
@@ -135,12 +112,12 @@ def test_kill_9_mid_download_then_restart(origin, proxies, tmp_path):
 
     t = threading.Thread(target=reader)
     t.start()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+
+    def under_way() -> bool:
         ps = parts(cache)
-        if ps and os.path.getsize(cache / ps[0]) > 200_000:
-            break
-        time.sleep(0.02)
+        return bool(ps) and os.path.getsize(cache / ps[0]) > 200_000
+
+    wait_until(under_way, 20, 0.02, "200 kB of the download on disk")
     p.stop(signal.SIGKILL)
     t.join(30)
     rc, body, _ = got["result"]
@@ -164,9 +141,7 @@ def test_sigterm_lets_responses_finish(origin, proxies):
     got: dict = {}
     t = threading.Thread(target=lambda: got.setdefault("r", curl(f"{p.url}/s.tar", "-f")))
     t.start()
-    deadline = time.monotonic() + 20
-    while not parts(p.cache_dir) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: parts(p.cache_dir), 20, 0.01, "the download's .part file")
     p.proc.send_signal(signal.SIGTERM)
     t.join(30)
     rc, body, head = got["r"]
@@ -186,9 +161,7 @@ def test_sigterm_grace_expires_without_partial_entry(origin, proxies):
     got: dict = {}
     t = threading.Thread(target=lambda: got.setdefault("r", curl(f"{p.url}/long.tar")))
     t.start()
-    deadline = time.monotonic() + 20
-    while not parts(p.cache_dir) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: parts(p.cache_dir), 20, 0.01, "the download's .part file")
     p.proc.send_signal(signal.SIGTERM)
     t.join(30)
     assert p.stop() == 0
@@ -204,7 +177,7 @@ def test_check_command(origin, proxies, tmp_path):
     cache = tmp_path / "cache"
     p = proxies("--upstream", origin.url, cache_dir=cache)
     assert curl(f"{p.url}/ok.tar", "-f")[0] == 0
-    time.sleep(0.3)
+    wait_until(lambda: not parts(cache), 10, what="the commit")
     p.stop()
     (cache / str(uuid.uuid4())).write_bytes(b"orphan")
 

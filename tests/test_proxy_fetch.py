@@ -10,7 +10,7 @@ import socket
 import threading
 
 import pytest
-from proxy_helpers import Fault, Origin, free_port
+from support.proxy_helpers import Fault, free_port
 
 from proxy.upstream import Fetcher
 from proxy.upstream import threaded as fetch
@@ -24,13 +24,6 @@ KB = 1024
 
 def blob(n: int, seed: int = 0) -> bytes:
     return hashlib.shake_256(f"blob-{seed}".encode()).digest(n)
-
-
-@pytest.fixture
-def origin():
-    o = Origin().start()
-    yield o
-    o.stop()
 
 
 @pytest.fixture(autouse=True, params=["splice", "recv"])

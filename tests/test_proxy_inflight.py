@@ -1,9 +1,12 @@
 """The span policy of clients following a growing download (pure, no I/O)."""
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.inflight import READ_CHUNK, _next_span
+
+pytestmark = pytest.mark.fast
 
 
 def test_whole_prefix_goes_out_while_streaming():

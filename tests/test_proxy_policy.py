@@ -30,6 +30,8 @@ from shardcache.errors import (
     RangeNotSatisfiable,
 )
 
+pytestmark = pytest.mark.fast
+
 # --- sizes ------------------------------------------------------------------------------
 
 
@@ -311,6 +313,7 @@ def test_missing_cache_dir():
         parse_settings(["--upstream", "http://a"], {})
 
 
+@pytest.mark.slow  # a subprocess: left to `make test`
 def test_serve_bad_flag_exits_nonzero_naming_it(tmp_path):
     res = subprocess.run(
         [

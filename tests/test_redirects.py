@@ -17,15 +17,15 @@ with a 302 to a CDN on another address with a signed query that expires.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import time
 
 import pytest
-from faultclient import TRANSPORTS, fetch, settle
-from huborigin import COMMIT, Hub
-from proxy_helpers import ProxyProcess
+from support.data import sha
+from support.faultclient import TRANSPORTS, fetch, settle
+from support.huborigin import COMMIT, Hub
+from support.proxy_helpers import ProxyProcess
 
 from proxy.policy import DEFAULT_REDIRECT_HOSTS
 from proxy.upstream.redirects import RedirectPolicy, RedirectRefused, check_target
@@ -39,10 +39,6 @@ SHARDS = {f"org/ds/train/shard-{i:06d}.tar": os.urandom(MiB + 4096 * i) for i in
 
 def resolve(i: int, org: str = "org") -> str:
     return f"/datasets/{org}/ds/resolve/main/train/shard-{i:06d}.tar"
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 # --- the pure rule ---------------------------------------------------------------------
@@ -94,11 +90,6 @@ def test_metadata_address_only_when_named_exactly():
 def hub():
     with Hub(SHARDS) as h:
         yield h
-
-
-@pytest.fixture(params=list(TRANSPORTS))
-def transport(request) -> str:
-    return request.param
 
 
 def start_proxy(hub: Hub, tmp_path, *extra: str) -> ProxyProcess:

@@ -18,7 +18,7 @@ from proxy.app import HITS, INFLIGHT, METRICS, make_app
 from proxy.config import parse_settings
 from proxy.hits import HitTier
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(60)]
 
 ETAG = '"v1"'
 LAST_MODIFIED = "Mon, 01 Jan 2024 00:00:00 GMT"

@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import email.utils
-import hashlib
 import http.client
-import json
 import os
 import re
 import signal
@@ -22,8 +20,11 @@ from dataclasses import dataclass
 
 import pytest
 from aiohttp import web
-from proxy_helpers import Origin, ProxyProcess
-from store_faults import run_serve
+from support.data import sha
+from support.proxy import stats
+from support.proxy_helpers import Origin, ProxyProcess
+from support.store_faults import run_serve
+from support.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -168,32 +169,21 @@ def get(port: int, path: str, timeout: float = 30) -> tuple[int, http.client.HTT
         conn.close()
 
 
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def got(port: int, path: str) -> tuple[int, str | None, str]:
     """(status, X-Cache, sha256 of the body)."""
     st, h, body = get(port, path)
     return st, h.get("X-Cache"), sha(body)
 
 
-def stats(port: int) -> dict:
-    st, _, body = get(port, "/-/stats", timeout=10)
-    assert st == 200, body
-    return json.loads(body)
-
-
 def settle(port: int, timeout: float = 15) -> dict:
     """Wait until the proxy has no download in flight (commits follow the last byte)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        st = stats(port)
-        if st["in_flight"] == 0:
-            return st
-        if time.monotonic() > deadline:
-            raise AssertionError(f"downloads did not finish: {st}")
-        time.sleep(0.02)
+    seen: dict = {}
+
+    def idle() -> dict | None:
+        st = seen["stats"] = stats(port)
+        return st if st["in_flight"] == 0 else None
+
+    return wait_until(idle, timeout, 0.02, what=lambda: f"downloads to finish: {seen['stats']}")
 
 
 def assert_revalidated(seen: list[Seen], etag: str, status: int) -> None:

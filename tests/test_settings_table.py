@@ -25,6 +25,8 @@ from proxy.upstream.fetcher import Fetcher
 from proxy.upstream.s3 import S3Upstream
 from shardcache.errors import ConfigError
 
+pytestmark = pytest.mark.fast
+
 CODE_ONLY = {"retry_backoff", "chunk_size"}  # no flag: tests and benchmarks set them
 
 
@@ -103,6 +105,7 @@ def test_the_default_the_help_shows_parses_back_to_the_default(setting):
     assert setting.convert(setting.default_text()) == setting.default
 
 
+@pytest.mark.slow  # a subprocess: left to `make test`
 def test_serve_help_is_plain_text_with_defaults_and_variables():
     res = subprocess.run(
         [sys.executable, "-m", "shardcache", "serve", "--help"],
@@ -252,6 +255,7 @@ def test_sizes_with_a_unit_or_of_1mib_and_more_are_taken_as_written(base):
     assert parse_size("10") == 10  # the parser itself: bytes, as before
 
 
+@pytest.mark.slow  # a subprocess: left to `make test`
 def test_the_size_hint_on_the_command_line(tmp_path):
     res = subprocess.run(
         [sys.executable, "-m", "shardcache", "serve", "--cache-dir", str(tmp_path)]

@@ -6,24 +6,17 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
-from proxy_helpers import Origin, ProxyProcess
+from support.proxy_helpers import ProxyProcess
+from support.wait import wait_until
 
 from shardcache.store import Store
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 KiB = 1024
-
-
-@pytest.fixture
-def origin():
-    o = Origin().start()
-    yield o
-    o.stop()
 
 
 @pytest.fixture
@@ -111,13 +104,15 @@ def test_hits_reach_the_index_in_batches_and_survive_a_clean_restart(origin, pro
     get(p, "/y.tar")
     for _ in range(5):
         assert get(p, "/x.tar")[1] == "HIT"
-    deadline = time.monotonic() + 10
     with Store(tmp_path / "cache", reconcile=False) as store:
-        while time.monotonic() < deadline:  # recorded within about a second
-            hits = {e.url.rsplit("/", 1)[1]: e.hits for e in store.entries()}
-            if hits.get("x.tar") == 5:
-                break
-            time.sleep(0.2)
+        hits: dict[str, int] = {}
+
+        def recorded() -> bool:  # within about a second
+            hits.clear()
+            hits.update({e.url.rsplit("/", 1)[1]: e.hits for e in store.entries()})
+            return hits.get("x.tar") == 5
+
+        wait_until(recorded, 10, 0.2, what=lambda: f"the 5 hits of x.tar recorded: {hits}")
         assert hits == {"x.tar": 5, "y.tar": 0}
     assert get(p, "/y.tar")[1] == "HIT"
     assert p.stop(signal.SIGTERM) == 0  # a clean stop writes the last batch

@@ -11,9 +11,9 @@ import time
 from urllib.parse import urlencode
 
 import pytest
-from faultclient import fetch, settle
-from huborigin import Hub, sign
-from proxy_helpers import ProxyProcess
+from support.faultclient import fetch, settle
+from support.huborigin import Hub, sign
+from support.proxy_helpers import ProxyProcess
 
 from proxy.policy import unsigned_url
 

@@ -9,9 +9,9 @@ from collections import defaultdict
 
 import pytest
 from aiohttp import web
-from faultclient import fetch, settle
-from huborigin import Server
-from proxy_helpers import ProxyProcess
+from support.faultclient import fetch, settle
+from support.huborigin import Server
+from support.proxy_helpers import ProxyProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 

@@ -25,6 +25,8 @@ from shardcache.store import (
     shard_uuid,
 )
 
+pytestmark = pytest.mark.fast
+
 
 def put(store: Store, url: str, data: bytes, **kw) -> object:
     partial = store.begin(url, len(data))

@@ -12,7 +12,6 @@ import concurrent.futures
 import contextlib
 import hashlib
 import http.client
-import json
 import os
 import re
 import shutil
@@ -23,8 +22,11 @@ import time
 from pathlib import Path
 
 import pytest
-from proxy_helpers import Fault, Origin
-from store_faults import fill, run_serve
+from support.data import sha
+from support.proxy import part_files, stats, wait_idle
+from support.proxy_helpers import Fault
+from support.store_faults import fill, run_serve
+from support.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -34,17 +36,6 @@ INDEX = ".shardcache.sqlite"
 
 
 # --- fixtures and helpers --------------------------------------------------------------
-
-
-@pytest.fixture
-def origin():
-    o = Origin().start()
-    yield o
-    o.stop()
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def get(port: int, path: str, timeout: float = 60) -> tuple[int, dict[str, str], bytes]:
@@ -81,40 +72,15 @@ def stream_digest(port: int, path: str, timeout: float = 60) -> tuple[int, str, 
         conn.close()
 
 
-def stats(port: int) -> dict:
-    st, _, body = get(port, "/-/stats", timeout=10)
-    assert st == 200, body
-    return json.loads(body)
-
-
 def metrics(port: int) -> str:
     st, _, body = get(port, "/metrics", timeout=10)
     assert st == 200, body
     return body.decode()
 
 
-def settle(port: int, timeout: float = 15) -> dict:
-    """Wait until the proxy has no download in flight (commits follow the last byte)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        st = stats(port)
-        if st["in_flight"] == 0 and st.get("reserved", 0) == 0:
-            return st
-        if time.monotonic() > deadline:
-            raise AssertionError(f"downloads did not finish: {st}")
-        time.sleep(0.05)
-
-
-def parts(cache_dir: Path) -> list[str]:
-    try:
-        return [n for n in os.listdir(cache_dir) if n.endswith(".part")]
-    except FileNotFoundError:
-        return []
-
-
 def part_sizes(cache_dir: Path) -> list[int]:
     out = []
-    for n in parts(cache_dir):
+    for n in part_files(cache_dir):
         with contextlib.suppress(FileNotFoundError):
             out.append(os.path.getsize(cache_dir / n))
     return out
@@ -155,7 +121,7 @@ def test_disk_full_mid_download_streams_on_and_recovers(rig, origin):
 
     st, h, body = get(p.port, "/warm.tar")
     assert (st, h.get("X-Cache"), sha(body)) == (200, "MISS", sha(warm))
-    settle(p.port)
+    wait_idle(p.port)
     st, h, body = get(p.port, "/warm.tar")
     assert (st, h.get("X-Cache"), sha(body)) == (200, "HIT", sha(warm))
 
@@ -168,7 +134,7 @@ def test_disk_full_mid_download_streams_on_and_recovers(rig, origin):
         is hard-linked first, so deleting it frees nothing (a store probe could otherwise
         see the freed space in the moment before the filler takes it back)."""
         while not stop_filling.is_set():
-            for name in parts(cache):
+            for name in part_files(cache):
                 if not (held / name).exists():
                     with contextlib.suppress(FileNotFoundError):
                         os.link(cache / name, held / name)
@@ -178,14 +144,12 @@ def test_disk_full_mid_download_streams_on_and_recovers(rig, origin):
     jobs = [name for name in big for _ in range(3)]
     with concurrent.futures.ThreadPoolExecutor(len(jobs) + 1) as ex:
         futures = [ex.submit(stream_digest, p.port, f"/{name}") for name in jobs]
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # the downloads are writing their .part files
+
+        def writing() -> bool:  # the downloads are writing their .part files
             sizes = part_sizes(cache)
-            if len(sizes) >= 2 and min(sizes) >= 2 * MiB:
-                break
-            time.sleep(0.01)
-        else:
-            raise AssertionError(f"downloads did not start writing: {parts(cache)}")
+            return len(sizes) >= 2 and min(sizes) >= 2 * MiB
+
+        wait_until(writing, 20, 0.01, what=lambda: f"downloads writing: {part_files(cache)}")
         filler_job = ex.submit(keep_full)
         results = []
         for name, fut in zip(jobs, futures, strict=True):
@@ -194,7 +158,7 @@ def test_disk_full_mid_download_streams_on_and_recovers(rig, origin):
             except Exception as exc:  # an aborted client: the upstream was healthy
                 results.append((name, repr(exc)))
         deadline = time.monotonic() + 10
-        while parts(cache) and time.monotonic() < deadline:
+        while part_files(cache) and time.monotonic() < deadline:
             time.sleep(0.05)
         stop_filling.set()
         filler_job.result(timeout=30)
@@ -206,7 +170,7 @@ def test_disk_full_mid_download_streams_on_and_recovers(rig, origin):
         status, _, length, digest = res
         want = (name, 200, len(big[name]), sha(big[name]))
         assert (name, status, length, digest) == want, f"{res}\n{log_tail}"
-    assert parts(cache) == []
+    assert part_files(cache) == []
     # at most the shared download plus one own upstream request per client
     assert all(1 <= origin.gets[name] <= 4 for name in big), (dict(origin.gets), origin.ranges)
 
@@ -247,14 +211,11 @@ def test_disk_full_mid_download_streams_on_and_recovers(rig, origin):
     # space comes back: the store is writable again within the probe interval
     filler.unlink()
     shutil.rmtree(held)
-    deadline = time.monotonic() + 10
-    while not stats(p.port)["store"]["writable"]:
-        assert time.monotonic() < deadline, "store still unwritable 10 s after space came back"
-        time.sleep(0.1)
+    wait_until(lambda: stats(p.port)["store"]["writable"], 10, 0.1, "a writable store again")
     assert sample_value(metrics(p.port), "shardcache_store_writable") == [1.0]
     st, h, body = get(p.port, "/after.tar")
     assert (st, h.get("X-Cache"), sha(body)) == (200, "MISS", sha(after))
-    settle(p.port)
+    wait_idle(p.port)
     st, h, body = get(p.port, "/after.tar")
     assert (st, h.get("X-Cache"), sha(body)) == (200, "HIT", sha(after))
     assert origin.gets["after.tar"] == 1
@@ -297,7 +258,7 @@ def test_cache_size_larger_than_the_filesystem_keeps_min_free(rig, origin):
         st, h, body = get(p.port, f"/{name}")
         assert (name, st, h.get("X-Cache"), sha(body)) == (name, 200, "MISS", sha(data))
         assert free_bytes(fs) >= floor, (name, free_bytes(fs))
-        settle(p.port)
+        wait_idle(p.port)
         assert free_bytes(fs) >= floor, (name, free_bytes(fs))
         st, h, body = get(p.port, f"/{name}")
         assert (name, st, h.get("X-Cache"), sha(body)) == (name, 200, "HIT", sha(data))
@@ -309,7 +270,7 @@ def test_cache_size_larger_than_the_filesystem_keeps_min_free(rig, origin):
     st, h, body = get(p.port, "/o-0.tar")
     assert (st, h.get("X-Cache"), sha(body)) == (200, "MISS", sha(objs["o-0.tar"]))
     assert origin.gets["o-0.tar"] == 2
-    settle(p.port)
+    wait_idle(p.port)
     assert free_bytes(fs) >= floor
 
 

@@ -13,7 +13,7 @@ import pytest
 import webdataset as wds
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from pipeline_helpers import wds_samples, write_tar
+from support.pipeline_helpers import wds_samples, write_tar
 
 from shardcache import ShardFormatError
 from shardcache.errors import GopenError
@@ -35,6 +35,8 @@ from shardcache.tariterators import (
     valid_sample,
 )
 from shardcache.urls import shardlist
+
+pytestmark = pytest.mark.fast
 
 HYPOTHESIS = settings(
     max_examples=40,

@@ -18,7 +18,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from opshelpers import Origin, ProxyProcess, free_port, http_get, make_shard, running, wait_healthy
+from support.opshelpers import (
+    Origin,
+    ProxyProcess,
+    free_port,
+    http_get,
+    make_shard,
+    running,
+    wait_healthy,
+)
+from support.wait import wait_until
 
 from shardcache.store import Store
 
@@ -208,9 +217,7 @@ def _run_scenario(origin, tier, sidecars, tier_url, capsys):
     failures = read_all(sidecars, D2, workers=2, on_done=on_done)
     assert stopped.is_set()
     assert not failures, f"requests lost while tier proxy {victim} stopped: {failures}"
-    deadline = time.monotonic() + 30
-    while tier[victim].proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: tier[victim].proc.poll() is not None, 30, 0.1, "the tier proxy's exit")
     assert tier[victim].proc.returncode == 0, tier[victim].output()
     d2_gets = {p: origin.gets[p] for p in D2}
     # Who owned what: the tier proxy that answered for the shard (its access log).

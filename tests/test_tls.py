@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import http.client
 import json
 import os
@@ -29,73 +28,23 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from proxy_helpers import Fault, Origin, ProxyProcess, aws_env
+from support.data import sha
+from support.proxy_helpers import Fault, aws_env
+from support.tls import Certs
+from support.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 KiB, MiB = 1024, 1024 * 1024
 
 
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 # ---------------------------------------------------------------------------------------
 # certificates, servers
-
-
-class Certs:
-    """PEM files of a throwaway CA and of a server certificate it issued."""
-
-    def __init__(self, root: Path) -> None:
-        import trustme
-
-        root.mkdir(parents=True, exist_ok=True)
-        ca = trustme.CA()
-        leaf = ca.issue_cert("localhost", "127.0.0.1")
-        self.ca = root / "ca.pem"
-        self.cert = root / "cert.pem"  # the leaf, then its chain
-        self.key = root / "key.pem"
-        ca.cert_pem.write_to_path(str(self.ca))
-        for i, pem in enumerate(leaf.cert_chain_pems):
-            pem.write_to_path(str(self.cert), append=i > 0)
-        leaf.private_key_pem.write_to_path(str(self.key))
-        other = trustme.CA().issue_cert("localhost")  # a key that does not match self.cert
-        self.other_key = root / "other-key.pem"
-        other.private_key_pem.write_to_path(str(self.other_key))
-
-    def client_context(self) -> ssl.SSLContext:
-        return ssl.create_default_context(cafile=str(self.ca))
-
-    def args(self) -> tuple[str, ...]:
-        return ("--tls-cert", str(self.cert), "--tls-key", str(self.key))
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Certs:
     return Certs(tmp_path_factory.mktemp("certs"))
-
-
-@pytest.fixture
-def origin():
-    o = Origin().start()
-    yield o
-    o.stop()
-
-
-@pytest.fixture
-def proxies(tmp_path):
-    started: list[ProxyProcess] = []
-
-    def start(*args: str, env: dict[str, str] | None = None, name: str = "cache"):
-        p = ProxyProcess(tmp_path / name, *args, env=env).start()
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        if p.proc is not None and p.proc.poll() is None:
-            p.stop(signal.SIGKILL)
 
 
 def https_get(
@@ -437,10 +386,12 @@ def test_two_workers_over_https_forward_misses_and_serve_hits(certs, origin, pro
         assert origin.gets["hot.tar"] == 1, origin.ranges
 
         for cs in pinned.values():  # the download committed: hits come from the entry
-            deadline = time.monotonic() + 10
-            while json.loads(cs[0].get("/-/stats")[2])["in_flight"]:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_until(
+                lambda cs=cs: not json.loads(cs[0].get("/-/stats")[2])["in_flight"],
+                10,
+                0.02,
+                "the download's commit",
+            )
         for conns_of_worker in pinned.values():  # hits, ranges and RAM hits on each worker
             c = conns_of_worker[0]
             status, h, body = c.get("/hot.tar")

@@ -12,7 +12,7 @@ import sys
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from opshelpers import Origin, ProxyProcess, make_shard, running
+from support.opshelpers import Origin, ProxyProcess, make_shard, running
 
 from shardcache.cli import common as tools
 from shardcache.cli import prefetch
@@ -74,7 +74,7 @@ def test_prefetch_names_failed_shards_and_exits_nonzero(served):
 @pytest.mark.parametrize("command", [("prefetch", "/a-{0..1}.tar", "--quiet"), ("stats",)])
 def test_a_proxy_that_is_not_running_is_one_clear_error(command):
     """prefetch and stats say the same thing when nothing listens at the proxy address."""
-    from opshelpers import free_port
+    from support.opshelpers import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     res = cli(*command, "--proxy", url)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from faultclient import fetch, settle
-from huborigin import Hub
-from proxy_helpers import ProxyProcess
+from support.faultclient import fetch, settle
+from support.huborigin import Hub
+from support.proxy_helpers import ProxyProcess
 
 from proxy.credentials import SecretSource, parse_credential
 

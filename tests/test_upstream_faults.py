@@ -21,114 +21,35 @@ import os
 import time
 
 import pytest
-from badorigin import BadOrigin, Request, Version
-from faultclient import (
-    TRANSPORTS,
-    Reply,
+from support.faultclient import (
+    CUT40,
+    ETAG_NEW,
+    ETAG_OLD,
+    LM_NEW,
+    LM_OLD,
+    NAME,
+    SIZE,
+    KiB,
+    MiB,
+    add_malformed_chunked,
     check_rule,
     fetch,
+    pinned,
+    second_read,
     settle,
     stats,
+    tail_of,
 )
-from proxy_helpers import ProxyProcess
+from support.origins import BadOrigin, Version
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
-KiB = 1 << 10
-MiB = 1 << 20
-SIZE = 1 * MiB
-CUT40 = int(SIZE * 0.4) + 123  # not on a part boundary
-LM_OLD = "Mon, 01 Jan 2024 00:00:00 GMT"
-LM_NEW = "Mon, 01 Jan 2024 01:00:00 GMT"
-ETAG_OLD = '"v1-0123456789abcdef"'
-ETAG_NEW = '"v2-fedcba9876543210"'
-NAME = "obj.tar"
-
-COMMON = (
-    "--retries",
-    "2",
-    "--connect-timeout",
-    "2",
-    "--read-timeout",
-    "5",
-    "--grace-period",
-    "1",
-    "--min-free",
-    "0",
-    "--cache-size",
-    "1G",
-)
-
-
-def pinned(req: Request, v: Version) -> bool:
-    """Whether a resumed / ranged request names version ``v`` the way a resume must:
-    ``If-Range`` with its strong ETag or its Last-Modified, or ``If-Match`` with its
-    strong ETag (``If-Unmodified-Since`` alone does not count)."""
-    strong = v.etag is not None and not v.etag.startswith("W/")
-    if strong and v.etag in (req.header("if-match"), req.header("if-range")):
-        return True
-    return v.last_modified is not None and req.header("if-range") == v.last_modified
-
-
-def second_read(p: ProxyProcess, versions: list[bytes], path: str = f"/{NAME}") -> Reply:
-    """With the origin healthy: a clean 200 with one version's bytes, then settled."""
-    r = fetch(p.port, path)
-    assert r.status == 200 and r.clean, r.describe() + "\n" + p.log_text()[-3000:]
-    assert check_rule(r, versions, p.log_text()[-3000:])
-    settle(p)
-    return r
-
-
-# --- fixtures -------------------------------------------------------------------------------
-
-
-@pytest.fixture(params=list(TRANSPORTS))
-def transport(request) -> str:
-    return request.param
+# --- fixtures: ``proxy`` (conftest) with its flags, in front of a BadOrigin -----------------
 
 
 @pytest.fixture
-def origin():
-    with BadOrigin() as o:
-        yield o
-
-
-@pytest.fixture
-def proxy(origin, transport, tmp_path):
-    p = ProxyProcess(
-        tmp_path / "cache", "--upstream", origin.url, *COMMON, *TRANSPORTS[transport]
-    ).start()
-    try:
-        yield p
-    finally:
-        p.stop(timeout=10)
-
-
-def add_malformed_chunked(origin: BadOrigin, path: str, data: bytes, where: str, late: bool):
-    """Serve ``data`` at ``path`` with a ``zz`` chunk-size line: ``first``, on every
-    answer after 256 KiB of good chunks; ``ranged``, the first GET (plain, or ranged as
-    the S3 parts ask for part 0) cut at 40 % and every later 206 chunked with the bad
-    line first. ``late``: the bad line 50 ms after what
-    precedes it, else in the same send()."""
-    v = Version(data, etag=ETAG_OLD, last_modified=LM_OLD)
-    if where == "first":
-        sc = origin.add(path, versions=[v], framing="chunked", bad_chunk_at=256 * KiB)
-    else:
-        sc = origin.add(
-            path,
-            versions=[v],
-            ranged_framing="chunked",
-            bad_chunk_at=0,
-            bad_chunk_on="later-ranged",
-            cut_at=CUT40,
-            cut_on="first",
-        )
-    sc.bad_chunk_delay = 0.05 if late else 0.0
-    return sc
-
-
-def tail_of(p: ProxyProcess) -> str:
-    return p.log_text()[-3000:]
+def origin(bad_origin: BadOrigin) -> BadOrigin:
+    return bad_origin
 
 
 # --- 1: the object replaced between the cut and the resume ---------------------------------

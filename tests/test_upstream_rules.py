@@ -33,6 +33,8 @@ from shardcache.errors import (
 )
 from shardcache.meta import ObjectMeta
 
+pytestmark = pytest.mark.fast
+
 URL = "http://origin/a.tar"
 LM = "Mon, 01 Jan 2024 00:00:00 GMT"
 LM2 = "Tue, 02 Jan 2024 00:00:00 GMT"

@@ -10,7 +10,7 @@ import pytest
 import webdataset as wds
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pipeline_helpers import serve_directory, wds_samples, write_tar
+from support.pipeline_helpers import serve_directory, wds_samples, write_tar
 
 from shardcache import ShardcacheError
 from shardcache.tariterators import tarfile_samples
@@ -22,6 +22,8 @@ from shardcache.urls import (
     shard_uuid,
     shardlist,
 )
+
+pytestmark = pytest.mark.fast
 
 P = "http://127.0.0.1:8080"
 

@@ -8,7 +8,6 @@ connection stays with the worker that accepted it, so a test can talk to a chose
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import http.client
 import json
 import os
@@ -20,7 +19,8 @@ import time
 from collections import Counter
 
 import pytest
-from proxy_helpers import Fault, Origin, ProxyProcess
+from support.data import sha
+from support.proxy_helpers import Fault, ProxyProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -90,13 +90,6 @@ class Proxy(ProxyProcess):
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-
-
-@pytest.fixture
-def origin():
-    o = Origin().start()
-    yield o
-    o.stop()
 
 
 @pytest.fixture
@@ -183,10 +176,6 @@ def close_all(pinned: dict[int, list[Pinned]]) -> None:
     for conns in pinned.values():
         for c in conns:
             c.close()
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def part_files(cache_dir) -> list[str]:

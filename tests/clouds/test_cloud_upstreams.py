@@ -26,7 +26,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from clouddata import BUCKET, OBJECTS  # noqa: E402
-from proxy_helpers import ProxyProcess, make_shard  # noqa: E402
+from support.proxy_helpers import ProxyProcess, make_shard  # noqa: E402
 
 MEDIUM = OBJECTS["shards/medium.tar"]
 PART = 1 << 20

@@ -3,29 +3,11 @@
 from __future__ import annotations
 
 import os
-import random
+import socket
 
 import pytest
 from s3server import SeaweedS3
-
-BUCKET = "shardcache-test"
-
-
-def _payload(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
-
-
-# key -> bytes, uploaded once per session
-OBJECTS: dict[str, bytes] = {
-    "shards/small.tar": _payload(10_000, 1),
-    "shards/medium.tar": _payload(3 * 1024 * 1024 + 17, 2),
-    "shards/empty.tar": b"",
-    "shards/dir/x one+two.tar": _payload(1234, 3),
-    **{f"many/obj-{i:03d}.bin": _payload(100 + i, 100 + i) for i in range(23)},
-    "many/sub/a.bin": b"a",
-    "many/sub/b.bin": b"bb",
-    "toplevel.bin": b"top",
-}
+from support.s3 import BUCKET, OBJECTS, start_s3_proxy
 
 
 @pytest.fixture(scope="session")
@@ -58,3 +40,29 @@ def aws_env(seaweed, monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "aws-credentials"))
     return monkeypatch
+
+
+@pytest.fixture(scope="module")
+def proxy(seaweed, tmp_path_factory):
+    """One proxy per module in front of SeaweedFS (:func:`support.s3.start_s3_proxy`)."""
+    p = start_s3_proxy(
+        seaweed, tmp_path_factory.mktemp("s3proxy"), seaweed.access_key, seaweed.secret_key
+    )
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture
+def localhost_subdomains(monkeypatch):
+    """Resolve ``*.localhost`` to 127.0.0.1 in this process, as systemd-resolved and
+    browsers do (this machine's resolver does not), so boto3 can use virtual hosts."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kw):
+        if isinstance(host, str) and host.endswith(".localhost"):
+            host = "127.0.0.1"
+        return real(host, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)

@@ -20,10 +20,10 @@ import pytest
 from conftest import BUCKET
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from badorigin import BadOrigin, Version  # noqa: E402
-from proxy_helpers import ProxyProcess, aws_env  # noqa: E402
+from support.badorigin import BadOrigin, Version  # noqa: E402
+from support.faultclient import COMMON, LM_OLD, SIZE, check_rule, fetch, settle  # noqa: E402
+from support.proxy_helpers import ProxyProcess, aws_env  # noqa: E402
 from test_digests import entries  # noqa: E402
-from test_upstream_faults import COMMON, LM_OLD, SIZE, check_rule, fetch, settle  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 

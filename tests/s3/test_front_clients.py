@@ -14,7 +14,6 @@ test_front_clients_torch.py.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -23,32 +22,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import test_proxy_s3
-import test_s3front_addressing
-from conftest import BUCKET, OBJECTS
-
-proxy = test_proxy_s3.proxy
-localhost_subdomains = test_s3front_addressing.localhost_subdomains
+from support.data import sha
+from support.s3 import OBJECTS, bucket_listing, fixture_sha
 
 BIN = Path(sys.executable).parent
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def fixture_sha(key: str) -> str:
-    """sha256 of a fixture object, by its key in BUCKET."""
-    return sha(OBJECTS[key])
-
-
-def bucket_listing(boto, prefix: str = "", strip: str = "") -> dict[str, int]:
-    """key -> size of BUCKET under ``prefix`` as SeaweedFS lists it (keys less ``strip``)."""
-    out = {}
-    for page in boto.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
-        for o in page.get("Contents", []):
-            out[o["Key"][len(strip) :]] = o["Size"]
-    return out
 
 
 def client_env(tmp_path: Path, **extra: str) -> dict[str, str]:

@@ -15,15 +15,10 @@ import os
 from pathlib import Path
 
 import pytest
-import test_proxy_s3
-import test_s3front_addressing
-from conftest import BUCKET, OBJECTS
-from test_front_clients import bucket_listing, fixture_sha, sha
+from support.data import sha
+from support.s3 import BUCKET, OBJECTS, bucket_listing, fixture_sha, start_s3_proxy
 
 pytestmark = pytest.mark.clients
-
-proxy = test_proxy_s3.proxy
-localhost_subdomains = test_s3front_addressing.localhost_subdomains
 
 
 @pytest.fixture
@@ -209,15 +204,15 @@ def litdata_sample(i: int) -> dict:
 
 @pytest.fixture(scope="module")
 def tls_proxy(seaweed, tmp_path_factory):
-    """The S3 front over HTTPS: a throwaway trustme CA (test_tls.Certs) and a server
+    """The S3 front over HTTPS: a throwaway trustme CA (support.tls.Certs) and a server
     certificate for ``localhost``/``127.0.0.1``; yields (proxy, certs)."""
     pytest.importorskip("litdata", reason="litdata is not installed: pip install litdata")
     pytest.importorskip("trustme", reason="trustme is not installed: pip install trustme")
-    from test_tls import Certs
+    from support.tls import Certs
 
     certs = Certs(tmp_path_factory.mktemp("litdata-certs"))
     tmp = tmp_path_factory.mktemp("s3proxy-tls")
-    p = test_proxy_s3._start(seaweed, tmp, seaweed.access_key, seaweed.secret_key, *certs.args())
+    p = start_s3_proxy(seaweed, tmp, seaweed.access_key, seaweed.secret_key, *certs.args())
     try:
         assert p.scheme == "https"
         yield p, certs

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import random
 
 import pytest
 from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
+from support.data import PARTS_OBJECT as DATA
+from support.origins import RangedOrigin as Origin
 
 from proxy.upstream.aio import AioTransport
 from proxy.upstream.parts import can_fetch_in_parts, fetch_parts, parts_stream, plan_parts
@@ -69,45 +69,6 @@ def test_backoff_is_bounded_and_grows(attempt, rand):
 # ----------------------------------------------------------------- a real ranged origin
 
 
-class Origin:
-    """Serves one object with ETag, Range and If-Match; records the ranges asked."""
-
-    def __init__(self, data: bytes, honour_if_match: bool = True) -> None:
-        self.set(data)
-        self.honour_if_match = honour_if_match
-        self.requests: list[tuple[str, str | None]] = []
-        self.sent = 0  # body bytes handed to the connection (what an origin bills)
-
-    def set(self, data: bytes) -> None:
-        self.data = data
-        self.etag = '"' + hashlib.md5(data).hexdigest() + '"'
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        rng = request.headers.get("Range")
-        self.requests.append((request.method, rng))
-        headers = {"ETag": self.etag, "Accept-Ranges": "bytes"}
-        im = request.headers.get("If-Match")
-        if self.honour_if_match and im and im != self.etag:
-            return web.Response(status=412, headers=headers)
-        if rng is None:
-            body = b"" if request.method == "HEAD" else self.data
-            headers["Content-Length"] = str(len(self.data))
-            resp = web.StreamResponse(status=200, headers=headers)
-            await resp.prepare(request)
-            for i in range(0, len(body), 64 * KIB):
-                await resp.write(body[i : i + 64 * KIB])
-                self.sent += len(body[i : i + 64 * KIB])
-            await resp.write_eof()
-            return resp
-        first, _, last = rng.removeprefix("bytes=").partition("-")
-        first, last = int(first), min(int(last or len(self.data) - 1), len(self.data) - 1)
-        headers["Content-Range"] = f"bytes {first}-{last}/{len(self.data)}"
-        if request.method != "HEAD":
-            self.sent += last + 1 - first
-        return web.Response(status=206, body=self.data[first : last + 1], headers=headers)
-
-
-DATA = random.Random(7).randbytes(1000 * KIB + 123)
 PART = 128 * KIB
 NPARTS = len(plan_parts(len(DATA), PART))
 

@@ -25,9 +25,7 @@ import pytest
 from conftest import BUCKET
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from proxy_helpers import aws_env  # noqa: E402
-from store_faults import fill  # noqa: E402
-from test_passthrough import (  # noqa: E402
+from support.passthrough import (  # noqa: E402
     CLIENT_TIMEOUT,
     Client,
     Outcome,
@@ -36,6 +34,8 @@ from test_passthrough import (  # noqa: E402
     check_bookkeeping,
     wait_for,
 )
+from support.proxy import aws_env  # noqa: E402
+from support.store_faults import fill  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import aiohttp
 import pytest
 from aiohttp import web
-from test_parts import DATA, Origin
+from support.data import PARTS_OBJECT as DATA
+from support.origins import RangedOrigin as Origin
 
 from proxy.app import METRICS, make_app
 from proxy.config import parse_settings

@@ -19,45 +19,19 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import BUCKET, OBJECTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from proxy_helpers import ProxyProcess, aws_env, make_shard  # noqa: E402
+from support.data import make_shard  # noqa: E402
+from support.proxy import ProxyProcess  # noqa: E402
+from support.s3 import (  # noqa: E402
+    BUCKET,
+    MEDIUM,
+    OBJECTS,
+    start_s3_proxy,
+    start_signed_front,
+)
 
 from shardcache.urls import proxied  # noqa: E402
-
-MEDIUM = OBJECTS["shards/medium.tar"]
-
-
-def _proxy_env(access_key: str, secret_key: str, tmp: Path) -> dict[str, str]:
-    return aws_env(access_key, secret_key, tmp)
-
-
-def _start(seaweed, tmp: Path, access_key: str, secret_key: str, *extra: str) -> ProxyProcess:
-    return ProxyProcess(
-        tmp / "cache",
-        "--upstream",
-        f"shards=s3://{BUCKET}/shards",
-        "--upstream",
-        f"all=s3://{BUCKET}",
-        "--s3-endpoint-url",
-        seaweed.endpoint_url,
-        "--part-size",
-        "1MiB",
-        "--parallel",
-        "4",
-        *extra,
-        env=_proxy_env(access_key, secret_key, tmp),
-    ).start()
-
-
-@pytest.fixture(scope="module")
-def proxy(seaweed, tmp_path_factory):
-    p = _start(seaweed, tmp_path_factory.mktemp("s3proxy"), seaweed.access_key, seaweed.secret_key)
-    try:
-        yield p
-    finally:
-        p.stop()
 
 
 def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict, bytes]:
@@ -116,7 +90,7 @@ def test_plain_get_of_an_upstream_name_keeps_the_proxys_one_line_404(proxy):
 
 
 def test_bad_credentials_give_403_with_a_hint(seaweed, tmp_path):
-    p = _start(seaweed, tmp_path, "not-a-key", "not-a-secret")
+    p = start_s3_proxy(seaweed, tmp_path, "not-a-key", "not-a-secret")
     try:
         status, _, body = _get(p.url + "/shards/small.tar")
     finally:
@@ -198,20 +172,6 @@ def test_webdataset_reads_s3_shards_through_proxied(proxy, boto):
     assert samples[0]["__key__"] == "sample00000000"
 
 
-def start_signed_front(seaweed, tmp: Path) -> ProxyProcess:
-    """A proxy whose S3 front requires the key pair front-key / front-secret."""
-    return _start(
-        seaweed,
-        tmp,
-        seaweed.access_key,
-        seaweed.secret_key,
-        "--s3-front-access-key",
-        "front-key",
-        "--s3-front-secret-key",
-        "front-secret",
-    )
-
-
 def test_signed_front_with_the_configured_key_pair(seaweed, tmp_path):
     import boto3
     from botocore.config import Config
@@ -257,7 +217,7 @@ def test_s3_object_stored_with_content_encoding_keeps_it(seaweed, boto, tmp_path
         ContentLanguage="de",
         Metadata={"color": "blue"},
     )
-    p = _start(
+    p = start_s3_proxy(
         seaweed,
         tmp_path,
         seaweed.access_key,

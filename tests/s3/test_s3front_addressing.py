@@ -6,40 +6,17 @@ read with boto3 and raw HTTP."""
 from __future__ import annotations
 
 import http.client
-import socket
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from conftest import OBJECTS
-from test_proxy_s3 import MEDIUM, _start, start_signed_front
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from support.s3 import MEDIUM, OBJECTS, start_signed_front  # noqa: E402
 
 NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 MANY = sorted(k for k in OBJECTS if k.startswith("many/"))
-
-
-@pytest.fixture(scope="module")
-def proxy(seaweed, tmp_path_factory):
-    p = _start(seaweed, tmp_path_factory.mktemp("front"), seaweed.access_key, seaweed.secret_key)
-    yield p
-    p.stop()
-
-
-@pytest.fixture
-def localhost_subdomains(monkeypatch):
-    """Resolve ``*.localhost`` to 127.0.0.1 in this process, as systemd-resolved and
-    browsers do (this machine's resolver does not), so boto3 can use virtual hosts."""
-    real = socket.getaddrinfo
-
-    def getaddrinfo(host, *args, **kw):
-        if isinstance(host, str) and host.endswith(".localhost"):
-            host = "127.0.0.1"
-        return real(host, *args, **kw)
-
-    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
 
 
 def client(proxy, style: str):

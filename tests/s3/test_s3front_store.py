@@ -12,12 +12,12 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
-import test_proxy_s3
-from badorigin import BadOrigin, Version
 from botocore import UNSIGNED
 from botocore.config import Config
 from botocore.exceptions import ClientError
 from conftest import BUCKET
+from support.origins import BadOrigin, Version
+from support.s3 import start_s3_proxy
 
 VERSIONED = "shardcache-versioned"
 GONE = "shardcache-no-such-bucket"
@@ -35,7 +35,7 @@ def proxy(seaweed, web, tmp_path_factory):
     admin = seaweed.client()
     admin.create_bucket(Bucket=VERSIONED)
     admin.put_bucket_versioning(Bucket=VERSIONED, VersioningConfiguration={"Status": "Enabled"})
-    p = test_proxy_s3._start(
+    p = start_s3_proxy(
         seaweed,
         tmp_path_factory.mktemp("s3front-store"),
         seaweed.access_key,

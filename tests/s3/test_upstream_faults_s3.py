@@ -19,9 +19,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from badorigin import BadOrigin, Version  # noqa: E402
-from proxy_helpers import ProxyProcess, aws_env  # noqa: E402
-from test_upstream_faults import (  # noqa: E402
+from support.badorigin import BadOrigin, Version  # noqa: E402
+from support.faultclient import (  # noqa: E402
     COMMON,
     CUT40,
     ETAG_NEW,
@@ -38,6 +37,7 @@ from test_upstream_faults import (  # noqa: E402
     settle,
     stats,
 )
+from support.proxy_helpers import ProxyProcess, aws_env  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 

@@ -1,0 +1,180 @@
+"""The proxy daemon as a subprocess (started, waited on until it serves, stopped), and its
+bookkeeping read back: ``/-/stats`` and the wait until nothing is in flight."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .wait import wait_until
+
+
+def free_port() -> int:
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ProxyProcess:
+    """``python -m shardcache serve`` as a subprocess on a free port."""
+
+    def __init__(self, cache_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.cache_dir = cache_dir
+        self.args = args
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.scheme = "http"  # "https" when the proxy says it serves TLS
+        self.log_path = cache_dir.parent / f"proxy-{os.getpid()}-{time.monotonic_ns()}.log"
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30) -> ProxyProcess:
+        cmd = [
+            sys.executable,
+            "-m",
+            "shardcache",
+            "serve",
+            "--cache-dir",
+            str(self.cache_dir),
+            "--port",
+            "0",
+            *self.args,
+        ]
+        env = dict(os.environ, **(self.env or {}))
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        proc = self.proc
+
+        def serving() -> re.Match[str] | None:
+            text = self.log_text()
+            m = re.search(r"serving on (https?)://[^:]+:(\d+)", text)
+            if m is None and proc.poll() is not None:
+                raise RuntimeError(f"proxy exited {proc.returncode}:\n{text}")
+            return m
+
+        try:
+            m = wait_until(serving, timeout, what="the proxy's 'serving on' line")
+        except AssertionError:
+            proc.kill()  # never leave a proxy running behind a failed start
+            proc.wait(10)
+            raise RuntimeError(f"proxy did not start:\n{self.log_text()}") from None
+        self.scheme, self.port = m.group(1), int(m.group(2))
+        return self
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait(10)
+        self._log.close()
+        return rc
+
+
+def raw_request(
+    port: int, target: str, method: str = "GET", timeout: float = 10
+) -> tuple[int, str]:
+    """Send a request line exactly as given (no client-side normalisation)."""
+
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(
+            f"{method} {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode("latin-1")
+        )
+        chunks = []
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            chunks.append(b)
+    raw = b"".join(chunks)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, body.decode("utf-8", "replace")
+
+
+def aws_env(access_key: str | None, secret_key: str | None, tmp: Path) -> dict[str, str]:
+    """This process's environment for a proxy subprocess with an s3:// upstream: the
+    given key pair (None: no credentials, unsigned requests) and nothing else of the
+    machine's AWS settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    if access_key is not None and secret_key is not None:
+        env.update(AWS_ACCESS_KEY_ID=access_key, AWS_SECRET_ACCESS_KEY=secret_key)
+    env.update(
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_CONFIG_FILE=str(tmp / "no-aws-config"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp / "no-aws-credentials"),
+    )
+    return env
+
+
+def stats(port: int, timeout: float = 10.0) -> dict:
+    """The proxy's ``/-/stats``."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", "/-/stats")
+        resp = conn.getresponse()
+        body = resp.read()
+    finally:
+        conn.close()
+    assert resp.status == 200, f"/-/stats answered {resp.status}: {body[:200]!r}"
+    return json.loads(body)
+
+
+def part_files(cache_dir: Path) -> list[str]:
+    """The ``.part`` files (downloads in progress or left behind) in ``cache_dir``."""
+    try:
+        return sorted(n for n in os.listdir(cache_dir) if n.endswith(".part"))
+    except FileNotFoundError:
+        return []
+
+
+def wait_idle(port: int, timeout: float = 15.0) -> dict:
+    """Wait (bounded) until the proxy has no download in flight and nothing reserved
+    (commits follow the last byte); return the last stats."""
+    seen: dict = {}
+
+    def idle() -> dict | None:
+        st = seen["stats"] = stats(port)
+        return st if st["in_flight"] == 0 and st.get("reserved", 0) == 0 else None
+
+    return wait_until(idle, timeout, what=lambda: f"downloads to finish: {seen.get('stats')}")
+
+
+def settle(p: ProxyProcess, timeout: float = 5.0) -> dict:
+    """Wait (bounded) until no download is in flight, nothing is reserved and no
+    ``.part`` file is left; return the last stats."""
+    seen: dict = {}
+
+    def idle() -> dict | None:
+        seen["stats"], seen["left"] = stats(p.port), part_files(p.cache_dir)
+        st = seen["stats"]
+        return st if not seen["left"] and st["in_flight"] == 0 and st["reserved"] == 0 else None
+
+    def left_behind() -> str:
+        st = seen["stats"]
+        return (
+            f"an idle proxy; left behind: .part files {seen['left']}, in_flight "
+            f"{st['in_flight']}, reserved {st['reserved']}\n{p.log_text()[-3000:]}"
+        )
+
+    return wait_until(idle, timeout, what=left_behind)
