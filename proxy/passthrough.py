@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
-from proxy.context import FETCHER, SETTINGS, T_BYTES, _abort_client
+from proxy.context import FETCHER, SETTINGS, T_BYTES, T_RESP, _abort_client
 from proxy.decide import XCache
 from proxy.policy import Upstream, end_to_end_headers, forwarded_fields
 from proxy.upstream.aio import USER_AGENT
@@ -127,6 +127,7 @@ async def _answer(request: web.Request, resp: aiohttp.ClientResponse) -> web.Str
         if k.lower() not in _NOT_PASSED:
             out.headers.add(k, v)
     out.headers["X-Cache"] = XCache.BYPASS
+    request[T_RESP] = out  # a cut at shutdown aborts the connection once it is prepared
     if status != resp.status:
         out.headers["X-Shardcache-Error"] = "the upstream refused the proxy's credentials (401)"
     length = resp.headers.get("Content-Length")
