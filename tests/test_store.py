@@ -583,3 +583,28 @@ def test_a_forked_child_leaves_its_parents_accesses_to_the_parent(tmp_path):
     store.close()
     entry = Store(tmp_path).get(url, touch=False)
     assert entry is not None and entry.hits == 2  # the parent's hit and the child's, once each
+
+
+def test_a_hit_after_another_process_replaced_the_entry_is_the_new_version(tmp_path):
+    """``open_hit`` answers from this process's memory of the row; another process that
+    replaced the entry (a new version at the same path, of the same size) must not have
+    its bytes handed out with the old version's ETag and digests."""
+    from shardcache.meta import ObjectMeta
+
+    url = "http://a.example/s.tar"
+    mine, other = Store(tmp_path), Store(tmp_path, reconcile=False)
+    put(mine, url, b"1" * 100, meta=ObjectMeta(size=100, etag='"v1"'))
+    entry, stream = mine.open_hit(url)
+    stream.close()
+    assert entry.etag == '"v1"'
+    put(other, url, b"2" * 100, meta=ObjectMeta(size=100, etag='"v2"'))
+    entry, stream = mine.open_hit(url)
+    with stream:
+        assert (entry.etag, stream.read()) == ('"v2"', b"2" * 100)
+    # and a version this process commits is known with its own file
+    put(mine, url, b"3" * 100, meta=ObjectMeta(size=100, etag='"v3"'))
+    entry, stream = mine.open_hit(url)
+    with stream:
+        assert (entry.etag, stream.read()) == ('"v3"', b"3" * 100)
+    mine.close()
+    other.close()

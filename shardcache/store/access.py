@@ -25,7 +25,15 @@ from pathlib import Path
 from typing import BinaryIO
 
 from shardcache.errors import CacheError
-from shardcache.store.entry import ENTRY_COLS, Entry, Memo, fields_json, row_to_entry
+from shardcache.store.entry import (
+    ENTRY_COLS,
+    Entry,
+    Memo,
+    Stamp,
+    fields_json,
+    file_stamp,
+    row_to_entry,
+)
 from shardcache.store.index import Index
 from shardcache.store.names import INDEX_NAME, Naming, size_of
 
@@ -63,7 +71,11 @@ class Access(Index, Naming):
         if row is None:
             return None
         entry = row_to_entry(self.cache_dir, row)
-        self._mem.put(entry)
+        try:  # the file this row describes, as near the read as can be
+            stamp: Stamp | None = file_stamp(os.stat(entry.path))
+        except OSError:
+            stamp = None  # gone: the caller's open finds it missing
+        self._mem.put(entry, stamp)
         return entry
 
     def open_hit(self, url: str) -> tuple[Entry, BinaryIO] | None:
@@ -83,7 +95,8 @@ class Access(Index, Naming):
             except FileNotFoundError:
                 pass
             else:
-                if os.fstat(stream.fileno()).st_size == entry.size:
+                st = os.fstat(stream.fileno())
+                if st.st_size == entry.size and self.same_file(entry, st):
                     self.touch(entry)
                     return entry, stream
                 stream.close()
@@ -91,6 +104,13 @@ class Access(Index, Naming):
             self.get(url, touch=False)  # drops the row of a missing or resized file
             self.forget(entry.key)
         return None
+
+    def same_file(self, entry: Entry, st: os.stat_result) -> bool:
+        """Whether the file of ``st``, opened for ``entry`` (from :meth:`lookup`), is the
+        file that entry describes. False when another process replaced the entry since
+        this process read its row (a new version at the same path, perhaps of the same
+        size): the caller calls :meth:`forget` and looks it up again."""
+        return self._mem.same_file(entry.key, st)
 
     def forget(self, key: str) -> None:
         """Drop ``key`` from memory (its file was missing or replaced): the next lookup
