@@ -608,3 +608,32 @@ def test_a_hit_after_another_process_replaced_the_entry_is_the_new_version(tmp_p
         assert (entry.etag, stream.read()) == ('"v3"', b"3" * 100)
     mine.close()
     other.close()
+
+
+def test_hits_reach_the_index_within_a_second_for_the_other_processes_evictions(tmp_path):
+    """A process that only hits (a DataLoader worker on a warm cache) writes its accesses
+    in a batch a second old at most: another process's miss evicts by them, so the
+    entry read over and over is not taken for the least recently used one."""
+    import time as _time
+
+    from shardcache.store.access import ACCESS_BATCH_SECONDS
+
+    hot, cold, warm = (f"http://a.example/{n}.tar" for n in ("hot", "cold", "warm"))
+    reader = Store(tmp_path, 3000)
+    other = Store(tmp_path, 3000, reconcile=False)
+    for url in (hot, cold, warm):  # hot is the oldest entry
+        put(other, url, b"x" * 1000)
+        _time.sleep(0.01)
+    entry, stream = reader.open_hit(hot)
+    stream.close()
+    assert other.get(hot, touch=False).hits == 0  # a hit writes nothing at once...
+    _time.sleep(ACCESS_BATCH_SECONDS + 0.05)
+    entry, stream = reader.open_hit(hot)
+    stream.close()
+    assert other.get(hot, touch=False).hits == 2  # ... but its batch, a second on
+    assert reader.pending_access() == 0
+    put(other, "http://a.example/new.tar", b"y" * 1000)  # evicts one entry: cold, not hot
+    assert other.get(hot, touch=False) is not None
+    assert other.get(cold, touch=False) is None
+    reader.close()
+    other.close()

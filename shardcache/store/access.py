@@ -6,9 +6,11 @@ written in batches.
 mode), and :meth:`Access.touch` records the access in memory; :meth:`Access.open_hit` is
 the two together with the entry file opened, the library's hit (``cache_shards``,
 ``CachedSource``) as the daemon's. The recorded accesses reach the index in one
-transaction per :meth:`Access.flush_access` (the daemon calls it every second; the store
-on close), and before any eviction decision, so LRU order and hit counts survive a clean
-restart and a crash loses at most one batch. An entry another process evicted is found
+transaction per :meth:`Access.flush_access` (the daemon calls it every second; a library
+hit when the batch is :data:`ACCESS_BATCH_SECONDS` old; the store on close), and before
+any eviction decision, so LRU order and hit counts survive a clean restart, a crash loses
+at most one batch, and the other processes sharing the directory evict by accesses at
+most a second old. An entry another process evicted is found
 missing when its file is opened, and becomes a miss.
 """
 
@@ -39,6 +41,11 @@ from shardcache.store.names import INDEX_NAME, Naming, size_of
 
 log = logging.getLogger("shardcache.store")
 
+# a library hit writes the batch of accesses once its oldest is this old: a process that
+# only hits (every DataLoader worker once the cache is warm) would otherwise keep them
+# until its next miss or its close, while the others evict its hot entries as unread
+ACCESS_BATCH_SECONDS = 1.0
+
 
 class Access(Index, Naming):
     """Lookups, hits and the batches of accesses (a part of :class:`Store`)."""
@@ -47,6 +54,7 @@ class Access(Index, Naming):
     _touched: dict[str, list]  # key -> [last_access, hits to add, validated or 0]
     _touch_lock: threading.Lock
     _touch_pid: int  # the process whose accesses _touched holds
+    _touch_since: float | None  # monotonic time of the oldest access in _touched
     _unreleased: dict[str, int]  # .part name -> bytes whose release the index refused
 
     def lookup(self, url: str) -> Entry | None:
@@ -98,6 +106,11 @@ class Access(Index, Naming):
                 st = os.fstat(stream.fileno())
                 if st.st_size == entry.size and self.same_file(entry, st):
                     self.touch(entry)
+                    if self._batch_due():
+                        try:
+                            self.flush_access()
+                        except CacheError as exc:  # kept for the next flush
+                            log.debug("accesses not written yet: %s", exc)
                     return entry, stream
                 stream.close()
             self.forget(entry.key)
@@ -122,6 +135,8 @@ class Access(Index, Naming):
         now = time.time() if now is None else now
         with self._touch_lock:
             batch = self._batch()
+            if not batch:
+                self._touch_since = time.monotonic()
             rec = batch.get(entry.key)
             if rec is None:
                 batch[entry.key] = [now, 1, 0.0]
@@ -134,7 +149,10 @@ class Access(Index, Naming):
         entry as this process now sees it. Written with the next access batch."""
         now = time.time() if now is None else now
         with self._touch_lock:
-            rec = self._batch().setdefault(entry.key, [entry.last_access, 0, 0.0])
+            batch = self._batch()
+            if not batch:
+                self._touch_since = time.monotonic()
+            rec = batch.setdefault(entry.key, [entry.last_access, 0, 0.0])
             rec[2] = now
         fresh = dataclasses.replace(entry, validated=now)
         self._mem.refresh(fresh)
@@ -172,12 +190,20 @@ class Access(Index, Naming):
         inherited over ``fork`` is the parent's to write: a child starts its own."""
         if self._touch_pid != os.getpid():
             self._touched, self._touch_pid = {}, os.getpid()
+            self._touch_since = None
         return self._touched
+
+    def _batch_due(self) -> bool:
+        """Whether the oldest access not yet written is :data:`ACCESS_BATCH_SECONDS` old."""
+        with self._touch_lock:
+            since = self._touch_since if self._batch() else None
+        return since is not None and time.monotonic() - since >= ACCESS_BATCH_SECONDS
 
     def _take_touches(self) -> dict[str, list]:
         with self._touch_lock:
             touched = self._batch()
             self._touched = {}
+            self._touch_since = None
         return touched
 
     def _apply_touches(self, conn: sqlite3.Connection, touched: dict[str, list]) -> None:
@@ -213,6 +239,8 @@ class Access(Index, Naming):
             with self._touch_lock:
                 self._unreleased.update(unreleased)
             with self._touch_lock:
+                if touched and not self._batch():
+                    self._touch_since = time.monotonic()  # tried again a batch later
                 for key, (last, hits, validated) in touched.items():
                     rec = self._batch().setdefault(key, [last, 0, 0.0])
                     rec[0] = max(rec[0], last)
