@@ -637,3 +637,39 @@ def test_hits_reach_the_index_within_a_second_for_the_other_processes_evictions(
     assert other.get(cold, touch=False) is None
     reader.close()
     other.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
+def test_a_reservation_left_by_a_predecessor_with_this_pid_is_released(tmp_path):
+    """In a container a restarted program often has the pid its predecessor had (1, or
+    the one after an init) and the same host name: the reservations and ``.part`` files
+    a predecessor killed mid-download left (kill -9, the OOM killer, the exit guard's
+    hard exit) are not this process's, and must not hold their room for a day."""
+    from shardcache.store import HOST
+
+    with open("/proc/self/stat", "rb") as f:  # this process's start, ticks after boot
+        ticks = int(f.read().rpartition(b")")[2].split()[19])
+    with open("/proc/uptime", "rb") as f:
+        uptime = float(f.read().split()[0])
+    started = time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    store = Store(tmp_path, cache_size=10_000)
+    live = store.begin("http://h/live", 4000)  # this process's own: kept
+    assert live is not None
+    key = store.key("http://h/old")
+    old = tmp_path / f"{key}.{os.getpid()}.0123456789ab.part"
+    old.write_bytes(b"x" * 100)
+    before = started - 60  # written a minute before this process started
+    with store.transaction() as conn:
+        conn.execute(
+            "INSERT INTO reservations (name, key, url, pid, host, created, expected, bytes) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (old.name, key, "http://h/old", os.getpid(), HOST, before, 5000, 5000),
+        )
+    assert store.stats()["reserved"] == 9000
+    reopened = Store(tmp_path, cache_size=10_000)
+    assert reopened.stats()["reserved"] == 4000
+    assert not old.exists() and live.path.exists()
+    assert reopened.begin("http://h/new", 6000) is not None  # the room is there again
+    store.abort(live)
+    reopened.close()
+    store.close()
