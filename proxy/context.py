@@ -5,7 +5,10 @@ shares (waiting time, aborting a client, the one-line error answer)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,10 +98,17 @@ def _waited(request: web.Request, since: float) -> None:
 
 
 def _abort_client(request: web.Request) -> None:
-    """Break the client connection so a truncated body cannot look like a clean end."""
+    """Break the client connection so a truncated body cannot look like a clean end:
+    with a reset (RST), not the orderly close (FIN) that ``transport.abort()`` alone
+    makes. An HTTP/1.0 client's body of unknown size has no Content-Length and no chunks:
+    the close is its end, so a FIN would end a body cut short cleanly."""
     request[T_ABORTED] = True
     transport = request.transport
     if transport is not None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         transport.abort()
 
 

@@ -78,7 +78,7 @@ class HitTier:
             return None
         try:
             st = os.fstat(fd)
-            if st.st_size != entry.size:
+            if st.st_size != entry.size or not self.store.same_file(entry, st):
                 return None
             data = os.pread(fd, entry.size, 0)
         except OSError:
@@ -97,15 +97,17 @@ class HitTier:
         return data
 
     def open(self, entry: Entry) -> IO[bytes] | None:
-        """The entry file opened for reading (on the loop), or None if it is missing or
-        has another size than the index says (evicted or replaced by another process)."""
+        """The entry file opened for reading (on the loop), or None if it is missing, has
+        another size than the index says or is another file than the one ``entry`` was
+        read with (evicted or replaced by another process)."""
         try:
             fd = os.open(entry.path, os.O_RDONLY)
         except OSError:
             self._drop(entry.key)
             return None
         try:
-            if os.fstat(fd).st_size != entry.size:
+            st = os.fstat(fd)
+            if st.st_size != entry.size or not self.store.same_file(entry, st):
                 os.close(fd)
                 self._drop(entry.key)
                 return None

@@ -23,6 +23,7 @@ from proxy.context import (
     T_RESP,
     T_START,
     T_WAIT,
+    _abort_client,
     _error_response,
     _forwarded,
 )
@@ -88,6 +89,8 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
             # cut off at shutdown: the status already sent, or 499 when none was
             cut, note = True, " cut-off"
             resp = request.get(T_RESP)
+            if resp is not None and resp.prepared:
+                _abort_client(request)  # a body begun must not seem to end at the close
             raise
         if request.get(T_ABORTED):
             note = " aborted"

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
-from proxy.context import FETCHER, SETTINGS, T_BYTES, _abort_client
+from proxy.context import FETCHER, SETTINGS, T_BYTES, T_RESP, _abort_client
 from proxy.decide import XCache
 from proxy.policy import Upstream, end_to_end_headers, forwarded_fields
 from proxy.upstream.aio import USER_AGENT
@@ -54,8 +54,10 @@ def upstream_path(url: str, upstreams: Sequence[Upstream]) -> str | None:
 
 def is_uncached(url: str, upstreams: Sequence[Upstream], patterns: Sequence[str]) -> bool:
     """Whether ``url`` (a mapped upstream URL) lies on a path ``patterns`` name: shell
-    patterns matched against the path relative to its upstream (``*`` crosses ``/``)."""
-    if not patterns:
+    patterns matched against the path relative to its upstream (``*`` crosses ``/``).
+    Only an http(s) upstream has an API: under an ``s3://``, ``gs://``, ``az://`` or
+    ``file://`` upstream, ``api/...`` is a key like any other, an object to cache."""
+    if not patterns or not url.lower().startswith(("http://", "https://")):
         return False
     rel = upstream_path(url, upstreams)
     return rel is not None and any(fnmatch.fnmatchcase(rel, p) for p in patterns)
@@ -72,9 +74,7 @@ async def pass_through(request: web.Request, url: str) -> web.StreamResponse:
     if request.method == "POST":
         if request.content_length is not None and request.content_length > MAX_BODY:
             raise ProxyError(f"request body over {MAX_BODY} bytes", 413)
-        body = await request.content.read(MAX_BODY + 1)
-        if len(body) > MAX_BODY:
-            raise ProxyError(f"request body over {MAX_BODY} bytes", 413)
+        body = await _read_body(request)
     s = request.app[SETTINGS]
     fetcher = request.app[FETCHER]
     origin_host = (urlsplit(url).hostname or "").lower()
@@ -126,6 +126,7 @@ async def _answer(request: web.Request, resp: aiohttp.ClientResponse) -> web.Str
         if k.lower() not in _NOT_PASSED:
             out.headers.add(k, v)
     out.headers["X-Cache"] = XCache.BYPASS
+    request[T_RESP] = out  # a cut at shutdown aborts the connection once it is prepared
     if status != resp.status:
         out.headers["X-Shardcache-Error"] = "the upstream refused the proxy's credentials (401)"
     length = resp.headers.get("Content-Length")
@@ -147,6 +148,23 @@ async def _answer(request: web.Request, resp: aiohttp.ClientResponse) -> web.Str
         return out
     await out.write_eof()
     return out
+
+
+async def _read_body(request: web.Request) -> bytes:
+    """The whole request body (at most :data:`MAX_BODY` bytes; 413 beyond). One
+    ``read(n)`` returns what has arrived so far, not the body: a body that comes in
+    several segments would be forwarded cut, as a well-formed shorter request."""
+    pieces: list[bytes] = []
+    got = 0
+    while True:
+        piece = await request.content.read(MAX_BODY + 1 - got)
+        if not piece:
+            break
+        pieces.append(piece)
+        got += len(piece)
+        if got > MAX_BODY:
+            raise ProxyError(f"request body over {MAX_BODY} bytes", 413)
+    return b"".join(pieces)
 
 
 def _shown(url: str) -> str:

@@ -92,8 +92,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "uncached_paths",
         DEFAULT_UNCACHED_PATHS,
-        "path under an upstream that is an API, not objects (a shell pattern relative to the "
-        "upstream; * crosses /): forwarded for every request with GET, HEAD or POST and "
+        "path under an http(s) upstream that is an API, not objects (a shell pattern "
+        "relative to the upstream; * crosses /): forwarded for every request with GET, HEAD or POST and "
         "never cached; the default is the Hugging Face Hub's API; repeatable",
         _patterns,
         flag="--uncached-path",

@@ -139,12 +139,15 @@ async def _entries(request: web.Request) -> web.Response:
         ranking.lock = asyncio.Lock()
     async with ranking.lock:  # one scan at a time
         now = time.monotonic()
-        if ranking.body is None or ranking.n != n or now - ranking.at > ENTRIES_MAX_AGE:
+        if ranking.body is None or now - ranking.at > ENTRIES_MAX_AGE:
+            # always the longest ranking, cut to each request's ``top``: a client
+            # alternating top=10 and top=11 would otherwise have the index scanned (0.3 s
+            # for 500,000 entries) for every request
             store = request.app[STORE]
-            top = await asyncio.to_thread(top_entries, store.cache_dir, n)
-            ranking.body = {"top": n, "max_age_seconds": ENTRIES_MAX_AGE, **top}
-            ranking.n, ranking.at = n, now
-        body = ranking.body
+            ranking.body = await asyncio.to_thread(top_entries, store.cache_dir, TOP_MAX)
+            ranking.n, ranking.at = TOP_MAX, now
+        top = ranking.body
+    body = {"top": n, "max_age_seconds": ENTRIES_MAX_AGE, **{k: v[:n] for k, v in top.items()}}
     return web.json_response(body)
 
 

@@ -417,7 +417,8 @@ def open_cached(
 
     A hit writes nothing (:meth:`~shardcache.store.Store.open_hit`): its access counts for
     LRU from the store's next access batch, written by the next miss, before any eviction
-    decision and when the store is closed (``cache_shards`` closes the store it opened).
+    decision, by a hit once the batch is a second old, and when the store is closed
+    (``cache_shards`` closes the store it opened).
     """
     say = log.info if verbose else log.debug
     label = name or url

@@ -231,3 +231,62 @@ def test_an_api_body_cut_short_never_ends_cleanly(tmp_path):
             assert len(origin.log("api/rows", "GET")) == 2
         finally:
             p.stop(timeout=10)
+
+
+def _post_in_two_segments(port: int, path: str, body: bytes, split: int) -> tuple[int, bytes]:
+    """A POST whose body arrives in two TCP segments, the second a moment later (as a
+    client on a real network sends a body of more than one segment)."""
+    import socket
+    import time
+
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as s:
+        s.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+            "Content-Type: application/x-www-form-urlencoded\r\nConnection: close\r\n\r\n".encode()
+            + body[:split]
+        )
+        time.sleep(0.3)
+        s.sendall(body[split:])
+        raw = b""
+        for _ in range(10_000):
+            piece = s.recv(65536)
+            if not piece:
+                break
+            raw += piece
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), payload
+
+
+def test_a_post_body_in_several_segments_is_forwarded_whole(hub, tmp_path):
+    """The body forwarded is the whole body the client sent, not the part of it that had
+    arrived when the proxy first read: a paths-info form cut after its first path would
+    be answered 200 with one file's info instead of three."""
+    p = start_proxy(hub, tmp_path)
+    names = [f"train/shard-{i:06d}.tar" for i in range(3)]
+    body = "&".join(f"paths={n}" for n in names).encode()
+    try:
+        status, payload = _post_in_two_segments(
+            p.port, "/api/datasets/org/ds/paths-info/main", body, len(b"paths=") + len(names[0])
+        )
+        assert status == 200, payload
+        got = sorted(e["path"] for e in json.loads(payload))
+        assert got == names, got
+    finally:
+        p.stop(timeout=10)
+
+
+def test_api_paths_are_objects_under_a_file_upstream(tmp_path):
+    """Only an http(s) upstream has an API: under a file:// (or s3://, gs://, az://)
+    upstream, ``api/...`` is an object like any other, fetched and cached."""
+    data = os.urandom(100_000)
+    root = tmp_path / "data"
+    (root / "api").mkdir(parents=True)
+    (root / "api" / "shard-0.tar").write_bytes(data)
+    p = ProxyProcess(tmp_path / "cache", "--upstream", f"file://{root}", *COMMON).start()
+    try:
+        for cache in ("MISS", "HIT"):
+            r = fetch(p.port, "/api/shard-0.tar")
+            assert r.status == 200 and r.clean and r.body == data, r.describe()
+            assert r.headers.get("x-cache") == cache, r.describe()
+    finally:
+        p.stop(timeout=10)

@@ -283,3 +283,38 @@ async def test_an_upstream_cut_after_the_headers_aborts_the_connection(rig, path
             assert r.status == (206 if rng else 200)
             await r.read()
     await settle(client)
+
+
+@pytest.mark.parametrize("size", [10 << 10, 600 << 10], ids=["ram", "file"])
+async def test_an_entry_another_process_replaced_is_served_as_its_new_version(rig, tmp_path, size):
+    """Another process sharing the directory (a worker of ``--workers``, a library user)
+    replaces an entry this proxy has read, with a new version of the same size: the hit
+    is the new version's bytes under the new version's ETag, never the new bytes under
+    the ETag this process remembers (a client's If-Range would splice two versions)."""
+    from shardcache.meta import ObjectMeta
+    from shardcache.store import Store
+
+    origin, make = rig
+    old, new = blob(size, 4), blob(size, 5)
+    origin.files["r.bin"] = old
+    client = await make()
+    async with client.get("/r.bin") as r:
+        assert await r.read() == old
+    await settle(client)
+    for _ in range(2):  # hits: the entry is remembered, its bytes kept in RAM when small
+        async with client.get("/r.bin") as r:
+            assert (r.headers["X-Cache"], r.headers["ETag"], await r.read()) == ("HIT", ETAG, old)
+    url = next(e.url for e in client.server.app[HITS].store.entries())
+    other = Store(tmp_path / "cache", reconcile=False)  # another process's view
+    try:
+        partial = other.begin(url, size)
+        assert partial is not None
+        partial.path.write_bytes(new)
+        other.commit(partial, size, meta=ObjectMeta(size=size, etag='"v2"', content_type=TYPE))
+    finally:
+        other.close()
+    async with client.get("/r.bin", headers={"Range": "bytes=0-99", "If-Range": ETAG}) as r:
+        body = await r.read()
+        assert (r.status, r.headers["ETag"], body) in ((206, ETAG, old[:100]), (200, '"v2"', new))
+    async with client.get("/r.bin") as r:
+        assert (r.headers["ETag"], await r.read()) == ('"v2"', new)

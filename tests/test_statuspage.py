@@ -305,6 +305,36 @@ async def test_entries_of_an_empty_new_cache(proxy):
     assert body["largest"] == [] and body["hottest"] == []
 
 
+async def test_entries_scan_the_index_once_whatever_top_clients_ask(proxy, origin, monkeypatch):
+    """A ranking is a scan of the whole index (0.3 s for 500,000 entries): clients
+    alternating ``top`` values must not have it made anew for each request."""
+    for i in range(5):
+        origin.files[f"s{i}.tar"] = blob((i + 1) * KB, i)
+    c = await proxy()
+    for i in range(5):
+        await fetch(c, f"/s{i}.tar")
+    for _ in range(300):
+        async with c.get("/-/stats") as r:
+            if (await r.json())["entries"] == 5:
+                break
+        await asyncio.sleep(0.01)
+    scans = []
+    real = statuspage.top_entries
+
+    def counted(cache_dir, n):
+        scans.append(n)
+        return real(cache_dir, n)
+
+    monkeypatch.setattr(statuspage, "top_entries", counted)
+    for top in (10, 11, 1, 2, 100, 3) * 3:
+        async with c.get("/-/entries", params={"top": str(top)}) as r:
+            body = await r.json()
+        assert body["top"] == top
+        assert [e["size"] for e in body["largest"]] == [k * KB for k in (5, 4, 3, 2, 1)][:top]
+        assert len(body["hottest"]) == min(top, 5)
+    assert len(scans) == 1, scans
+
+
 async def test_with_named_upstreams_the_page_is_at_its_own_path(proxy, origin):
     """With named upstreams (the S3 front's buckets) ``/`` stays the S3 bucket list."""
     c = await proxy(upstreams=(Upstream("data", origin.url),))

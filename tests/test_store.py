@@ -585,3 +585,93 @@ def test_a_forked_child_leaves_its_parents_accesses_to_the_parent(tmp_path):
     store.close()
     entry = Store(tmp_path).get(url, touch=False)
     assert entry is not None and entry.hits == 2  # the parent's hit and the child's, once each
+
+
+def test_a_hit_after_another_process_replaced_the_entry_is_the_new_version(tmp_path):
+    """``open_hit`` answers from this process's memory of the row; another process that
+    replaced the entry (a new version at the same path, of the same size) must not have
+    its bytes handed out with the old version's ETag and digests."""
+    from shardcache.meta import ObjectMeta
+
+    url = "http://a.example/s.tar"
+    mine, other = Store(tmp_path), Store(tmp_path, reconcile=False)
+    put(mine, url, b"1" * 100, meta=ObjectMeta(size=100, etag='"v1"'))
+    entry, stream = mine.open_hit(url)
+    stream.close()
+    assert entry.etag == '"v1"'
+    put(other, url, b"2" * 100, meta=ObjectMeta(size=100, etag='"v2"'))
+    entry, stream = mine.open_hit(url)
+    with stream:
+        assert (entry.etag, stream.read()) == ('"v2"', b"2" * 100)
+    # and a version this process commits is known with its own file
+    put(mine, url, b"3" * 100, meta=ObjectMeta(size=100, etag='"v3"'))
+    entry, stream = mine.open_hit(url)
+    with stream:
+        assert (entry.etag, stream.read()) == ('"v3"', b"3" * 100)
+    mine.close()
+    other.close()
+
+
+def test_hits_reach_the_index_within_a_second_for_the_other_processes_evictions(tmp_path):
+    """A process that only hits (a DataLoader worker on a warm cache) writes its accesses
+    in a batch a second old at most: another process's miss evicts by them, so the
+    entry read over and over is not taken for the least recently used one."""
+    import time as _time
+
+    from shardcache.store.access import ACCESS_BATCH_SECONDS
+
+    hot, cold, warm = (f"http://a.example/{n}.tar" for n in ("hot", "cold", "warm"))
+    reader = Store(tmp_path, 3000)
+    other = Store(tmp_path, 3000, reconcile=False)
+    for url in (hot, cold, warm):  # hot is the oldest entry
+        put(other, url, b"x" * 1000)
+        _time.sleep(0.01)
+    entry, stream = reader.open_hit(hot)
+    stream.close()
+    assert other.get(hot, touch=False).hits == 0  # a hit writes nothing at once...
+    _time.sleep(ACCESS_BATCH_SECONDS + 0.05)
+    entry, stream = reader.open_hit(hot)
+    stream.close()
+    assert other.get(hot, touch=False).hits == 2  # ... but its batch, a second on
+    assert reader.pending_access() == 0
+    put(other, "http://a.example/new.tar", b"y" * 1000)  # evicts one entry: cold, not hot
+    assert other.get(hot, touch=False) is not None
+    assert other.get(cold, touch=False) is None
+    reader.close()
+    other.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
+def test_a_reservation_left_by_a_predecessor_with_this_pid_is_released(tmp_path):
+    """In a container a restarted program often has the pid its predecessor had (1, or
+    the one after an init) and the same host name: the reservations and ``.part`` files
+    a predecessor killed mid-download left (kill -9, the OOM killer, the exit guard's
+    hard exit) are not this process's, and must not hold their room for a day."""
+    from shardcache.store import HOST
+
+    with open("/proc/self/stat", "rb") as f:  # this process's start, ticks after boot
+        ticks = int(f.read().rpartition(b")")[2].split()[19])
+    with open("/proc/uptime", "rb") as f:
+        uptime = float(f.read().split()[0])
+    started = time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    store = Store(tmp_path, cache_size=10_000)
+    live = store.begin("http://h/live", 4000)  # this process's own: kept
+    assert live is not None
+    key = store.key("http://h/old")
+    old = tmp_path / f"{key}.{os.getpid()}.0123456789ab.part"
+    old.write_bytes(b"x" * 100)
+    before = started - 60  # written a minute before this process started
+    with store.transaction() as conn:
+        conn.execute(
+            "INSERT INTO reservations (name, key, url, pid, host, created, expected, bytes) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (old.name, key, "http://h/old", os.getpid(), HOST, before, 5000, 5000),
+        )
+    assert store.stats()["reserved"] == 9000
+    reopened = Store(tmp_path, cache_size=10_000)
+    assert reopened.stats()["reserved"] == 4000
+    assert not old.exists() and live.path.exists()
+    assert reopened.begin("http://h/new", 6000) is not None  # the room is there again
+    store.abort(live)
+    reopened.close()
+    store.close()

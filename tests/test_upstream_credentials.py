@@ -111,3 +111,53 @@ def test_a_missing_secret_stops_startup_naming_the_flag(tmp_path):
             p.start(timeout=15)
         assert "--upstream-auth" in str(info.value)
         assert "absent" in str(info.value)
+
+
+def test_a_redirect_to_another_port_of_the_host_gets_no_credentials(tmp_path):
+    """The upstream's own host name is not its origin: a redirect to another port of it
+    (another service) or from https to http (the clear) must not carry the token."""
+    from aiohttp import web
+    from huborigin import Server
+
+    data = os.urandom(MiB)
+    seen: list[str | None] = []
+
+    async def other(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers.get("Authorization"))
+        return web.Response(body=data, headers={"ETag": '"o1"'})
+
+    target = Server("127.0.0.1", other).start()
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        raise web.HTTPFound(f"{target.url}{request.path}")
+
+    first = Server("127.0.0.1", upstream).start()
+    p = ProxyProcess(
+        tmp_path / "c",
+        "--upstream",
+        first.url,
+        "--upstream-auth",
+        "env:TOKEN_FOR_TEST",
+        *COMMON,
+        env={"TOKEN_FOR_TEST": TOKEN},
+    ).start()
+    try:
+        r = fetch(p.port, "/a.tar")
+        assert r.status == 200 and r.body == data, r.describe()
+    finally:
+        p.stop(timeout=10)
+        first.stop()
+        target.stop()
+    assert seen and set(seen) == {None}, seen
+
+
+def test_credentials_follow_the_same_origin_or_an_upgrade_to_https():
+    from proxy.upstream.redirects import _may_carry_credentials as carry
+
+    assert carry("https://hub.example/a", "https://hub.example/b?x=1")
+    assert carry("https://hub.example/a", "https://HUB.example:443/b")
+    assert carry("http://hub.example/a", "https://hub.example/b")
+    assert not carry("https://hub.example/a", "http://hub.example/b")
+    assert not carry("https://hub.example/a", "https://hub.example:8443/b")
+    assert not carry("http://hub.example:8080/a", "https://hub.example/b")
+    assert not carry("https://hub.example/a", "https://cdn.example/b")

@@ -13,7 +13,8 @@ allows it: http(s); no userinfo; the upstream's own host or a host the operator 
 (``--redirect-host``, with ``*.domain`` patterns; the Hub's CDN hosts by default); host
 names checked on the parsed URL at every hop; IP literals only in their canonical form,
 and link-local or cloud-metadata addresses never, unless named exactly; at most
-``max_hops`` hops. Credentials a request carries are not sent to another host.
+``max_hops`` hops. Credentials a request carries are not sent to another origin (another
+host, another port, or from https to http).
 
 A target that worked is remembered for its first URL (so parts and resumes do not ask
 for a new redirect each time); when it answers 400, 401, 403 or 410 — an expired
@@ -163,6 +164,32 @@ def _redact(url: str) -> str:
     return f"{p.scheme}://{netloc}{p.path}" + ("?…" if p.query else "")
 
 
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    """(scheme, host, port) of ``url``, the port made explicit."""
+    p = urlsplit(url)
+    scheme = p.scheme.lower()
+    try:
+        port = p.port or _DEFAULT_PORTS.get(scheme)
+    except ValueError:
+        port = None
+    return scheme, (p.hostname or "").lower(), port
+
+
+def _may_carry_credentials(first: str, current: str) -> bool:
+    """Whether a request to ``current``, reached by redirects from ``first`` (a URL of
+    the upstream), may carry the credentials meant for the upstream: the same origin
+    (scheme, host and port), or the upgrade of the same host from http to https. A
+    redirect to another port of the host is another service, and one from https to http
+    would send them in the clear."""
+    a, b = _origin(first), _origin(current)
+    if a == b:
+        return True
+    return a[1] == b[1] and a == ("http", a[1], 80) and b == ("https", b[1], 443)
+
+
 @dataclass(frozen=True)
 class Target:
     """Where a first URL led: the target that answered (until ``expires``, monotonic)
@@ -233,8 +260,7 @@ class RedirectingTransport:
         current = start
         hops = 0
         while True:
-            host = (urlsplit(current).hostname or "").lower()
-            if host == origin_host:
+            if _may_carry_credentials(url, current):
                 sent = {**headers, **self.credentials} if self.credentials else headers
             else:
                 mine = {k.lower() for k in self.credentials}

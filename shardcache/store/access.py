@@ -6,9 +6,11 @@ written in batches.
 mode), and :meth:`Access.touch` records the access in memory; :meth:`Access.open_hit` is
 the two together with the entry file opened, the library's hit (``cache_shards``,
 ``CachedSource``) as the daemon's. The recorded accesses reach the index in one
-transaction per :meth:`Access.flush_access` (the daemon calls it every second; the store
-on close), and before any eviction decision, so LRU order and hit counts survive a clean
-restart and a crash loses at most one batch. An entry another process evicted is found
+transaction per :meth:`Access.flush_access` (the daemon calls it every second; a library
+hit when the batch is :data:`ACCESS_BATCH_SECONDS` old; the store on close), and before
+any eviction decision, so LRU order and hit counts survive a clean restart, a crash loses
+at most one batch, and the other processes sharing the directory evict by accesses at
+most a second old. An entry another process evicted is found
 missing when its file is opened, and becomes a miss.
 """
 
@@ -25,11 +27,24 @@ from pathlib import Path
 from typing import BinaryIO
 
 from shardcache.errors import CacheError
-from shardcache.store.entry import ENTRY_COLS, Entry, Memo, fields_json, row_to_entry
+from shardcache.store.entry import (
+    ENTRY_COLS,
+    Entry,
+    Memo,
+    Stamp,
+    fields_json,
+    file_stamp,
+    row_to_entry,
+)
 from shardcache.store.index import Index
 from shardcache.store.names import INDEX_NAME, Naming, size_of
 
 log = logging.getLogger("shardcache.store")
+
+# a library hit writes the batch of accesses once its oldest is this old: a process that
+# only hits (every DataLoader worker once the cache is warm) would otherwise keep them
+# until its next miss or its close, while the others evict its hot entries as unread
+ACCESS_BATCH_SECONDS = 1.0
 
 
 class Access(Index, Naming):
@@ -39,6 +54,7 @@ class Access(Index, Naming):
     _touched: dict[str, list]  # key -> [last_access, hits to add, validated or 0]
     _touch_lock: threading.Lock
     _touch_pid: int  # the process whose accesses _touched holds
+    _touch_since: float | None  # monotonic time of the oldest access in _touched
     _unreleased: dict[str, int]  # .part name -> bytes whose release the index refused
 
     def lookup(self, url: str) -> Entry | None:
@@ -63,7 +79,11 @@ class Access(Index, Naming):
         if row is None:
             return None
         entry = row_to_entry(self.cache_dir, row)
-        self._mem.put(entry)
+        try:  # the file this row describes, as near the read as can be
+            stamp: Stamp | None = file_stamp(os.stat(entry.path))
+        except OSError:
+            stamp = None  # gone: the caller's open finds it missing
+        self._mem.put(entry, stamp)
         return entry
 
     def open_hit(self, url: str) -> tuple[Entry, BinaryIO] | None:
@@ -83,14 +103,27 @@ class Access(Index, Naming):
             except FileNotFoundError:
                 pass
             else:
-                if os.fstat(stream.fileno()).st_size == entry.size:
+                st = os.fstat(stream.fileno())
+                if st.st_size == entry.size and self.same_file(entry, st):
                     self.touch(entry)
+                    if self._batch_due():
+                        try:
+                            self.flush_access()
+                        except CacheError as exc:  # kept for the next flush
+                            log.debug("accesses not written yet: %s", exc)
                     return entry, stream
                 stream.close()
             self.forget(entry.key)
             self.get(url, touch=False)  # drops the row of a missing or resized file
             self.forget(entry.key)
         return None
+
+    def same_file(self, entry: Entry, st: os.stat_result) -> bool:
+        """Whether the file of ``st``, opened for ``entry`` (from :meth:`lookup`), is the
+        file that entry describes. False when another process replaced the entry since
+        this process read its row (a new version at the same path, perhaps of the same
+        size): the caller calls :meth:`forget` and looks it up again."""
+        return self._mem.same_file(entry.key, st)
 
     def forget(self, key: str) -> None:
         """Drop ``key`` from memory (its file was missing or replaced): the next lookup
@@ -102,6 +135,8 @@ class Access(Index, Naming):
         now = time.time() if now is None else now
         with self._touch_lock:
             batch = self._batch()
+            if not batch:
+                self._touch_since = time.monotonic()
             rec = batch.get(entry.key)
             if rec is None:
                 batch[entry.key] = [now, 1, 0.0]
@@ -114,7 +149,10 @@ class Access(Index, Naming):
         entry as this process now sees it. Written with the next access batch."""
         now = time.time() if now is None else now
         with self._touch_lock:
-            rec = self._batch().setdefault(entry.key, [entry.last_access, 0, 0.0])
+            batch = self._batch()
+            if not batch:
+                self._touch_since = time.monotonic()
+            rec = batch.setdefault(entry.key, [entry.last_access, 0, 0.0])
             rec[2] = now
         fresh = dataclasses.replace(entry, validated=now)
         self._mem.refresh(fresh)
@@ -152,12 +190,20 @@ class Access(Index, Naming):
         inherited over ``fork`` is the parent's to write: a child starts its own."""
         if self._touch_pid != os.getpid():
             self._touched, self._touch_pid = {}, os.getpid()
+            self._touch_since = None
         return self._touched
+
+    def _batch_due(self) -> bool:
+        """Whether the oldest access not yet written is :data:`ACCESS_BATCH_SECONDS` old."""
+        with self._touch_lock:
+            since = self._touch_since if self._batch() else None
+        return since is not None and time.monotonic() - since >= ACCESS_BATCH_SECONDS
 
     def _take_touches(self) -> dict[str, list]:
         with self._touch_lock:
             touched = self._batch()
             self._touched = {}
+            self._touch_since = None
         return touched
 
     def _apply_touches(self, conn: sqlite3.Connection, touched: dict[str, list]) -> None:
@@ -193,6 +239,8 @@ class Access(Index, Naming):
             with self._touch_lock:
                 self._unreleased.update(unreleased)
             with self._touch_lock:
+                if touched and not self._batch():
+                    self._touch_since = time.monotonic()  # tried again a batch later
                 for key, (last, hits, validated) in touched.items():
                     rec = self._batch().setdefault(key, [last, 0, 0.0])
                     rec[0] = max(rec[0], last)

@@ -22,8 +22,10 @@ from shardcache.store.entry import (
     ENTRY_INSERT,
     Entry,
     Partial,
+    Stamp,
     digests_json,
     fields_json,
+    file_stamp,
     row_to_entry,
 )
 from shardcache.store.index import Rollback
@@ -193,6 +195,10 @@ class Downloads(Space):
                     raise store_write_error("commit", target, exc) or CacheError(
                         f"{target}: cannot move download into place: {exc}"
                     ) from exc
+                try:  # under the write lock: this row's file, before anyone replaces it
+                    stamp: Stamp | None = file_stamp(os.stat(target))
+                except OSError:
+                    stamp = None
         except Rollback:
             self._mem.pop(partial.key, None)
             self.abort(partial)
@@ -206,7 +212,7 @@ class Downloads(Space):
         self._finish_evictions(evicted)
         self._fsync_dir()
         entry = row_to_entry(self.cache_dir, row)
-        self._mem.put(entry)
+        self._mem.put(entry, stamp)
         with self._touch_lock:
             self._touched.pop(partial.key, None)  # accesses of a replaced entry
         return entry

@@ -5,6 +5,7 @@ process has seen, in memory."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,15 +62,31 @@ class Partial:
     reserved: int
 
 
+Stamp = tuple[int, int, int]  # (st_ino, st_mtime_ns, st_ctime_ns) of an entry file
+
+
+def file_stamp(st: os.stat_result) -> Stamp:
+    """What tells one entry file from another put at the same path: a replacement by a
+    new version (the same size or not) is a new inode, written and renamed at its own
+    times."""
+    return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+
+
 class Memo:
     """What hits need of the entries this process has seen, compactly: key -> a tuple of
     the row, at most ``limit`` keys (the least recently stored dropped first). An
-    :class:`Entry` is made from it on each lookup."""
+    :class:`Entry` is made from it on each lookup.
+
+    With each row, the stamp of the file it was seen with (:func:`file_stamp`): another
+    process that replaces the entry (a new version, at the same path) leaves this row
+    stale, and a file of the same size would otherwise be served under the old
+    version's ETag, Last-Modified and digests."""
 
     def __init__(self, cache_dir: Path, limit: int) -> None:
         self.cache_dir = cache_dir
         self.limit = limit
         self._rows: dict[str, tuple] = {}
+        self._stamps: dict[str, Stamp] = {}
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -95,11 +112,16 @@ class Memo:
             dg,
         )
 
-    def put(self, entry: Entry) -> None:
+    def put(self, entry: Entry, stamp: Stamp | None = None) -> None:
+        """Remember ``entry`` (a row read from the index or just committed), seen with
+        the file of ``stamp`` when given."""
+        self._stamps.pop(entry.key, None)
         if self.limit <= 0:
             return
         rows = self._rows
         rows.pop(entry.key, None)
+        if stamp is not None:
+            self._stamps[entry.key] = stamp
         rows[entry.key] = (
             entry.url,
             entry.size,
@@ -114,18 +136,34 @@ class Memo:
             entry.digests,
         )
         while len(rows) > self.limit:
-            del rows[next(iter(rows))]
+            oldest = next(iter(rows))
+            del rows[oldest]
+            self._stamps.pop(oldest, None)
 
     def refresh(self, entry: Entry) -> None:
-        """Replace the remembered row of ``entry`` (a newer view of it), if there is one."""
+        """Replace the remembered row of ``entry`` (a newer view of the same version,
+        whose file it keeps), if there is one."""
         if entry.key in self._rows:
-            self.put(entry)
+            self.put(entry, self._stamps.get(entry.key))
+
+    def same_file(self, key: str, st: os.stat_result) -> bool:
+        """Whether the file of ``st`` (opened for the remembered row of ``key``) is the one
+        that row was seen with. A row seen with no file yet takes this one."""
+        stamp = file_stamp(st)
+        known = self._stamps.get(key)
+        if known is None:
+            if key in self._rows:
+                self._stamps[key] = stamp
+            return True
+        return known == stamp
 
     def pop(self, key: str, default: object = None) -> None:
         self._rows.pop(key, None)
+        self._stamps.pop(key, None)
 
     def clear(self) -> None:
         self._rows.clear()
+        self._stamps.clear()
 
 
 ENTRY_COLS = (

@@ -96,6 +96,7 @@ class Store(Reconcile):
         self._touched: dict[str, list] = {}
         self._touch_lock = threading.Lock()
         self._touch_pid = os.getpid()
+        self._touch_since: float | None = None  # when the oldest of them was recorded
         # reservations whose release failed (index not writable): .part name -> bytes,
         # released by the next flush and not counted as reserved meanwhile
         self._unreleased: dict[str, int] = {}

@@ -21,6 +21,7 @@ import os
 import re
 import secrets
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,10 +109,40 @@ def is_del(name: str) -> bool:
 HOST = socket.gethostname()
 
 
+START_MARGIN = 5.0  # seconds of clock error allowed between a row's time and its process's start
+
+
+def process_started(pid: int) -> float | None:
+    """When process ``pid`` of this host started, by the wall clock (Linux ``/proc``: its
+    start in ticks since boot against the uptime); None where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # the fields after the command name, which is in parentheses and may hold spaces:
+        # the 22nd field of the line, the start time, is the 20th of them
+        ticks = int(stat.rpartition(b")")[2].split()[19])
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])
+        hz = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.time() - (uptime - ticks / hz)
+
+
 def owner_gone(pid: int, host: str, created: float, now: float) -> bool:
     """Whether a row a process wrote (``pid`` on ``host`` at ``created``) has outlived it:
-    a dead pid on this host, or older than :data:`STALE_AGE` wherever it runs."""
-    return now - created > STALE_AGE or (host == HOST and not pid_alive(pid))
+    a dead pid on this host, a pid of this host whose process started after the row was
+    written (another process with the same pid: in a container, a restarted program
+    often gets its predecessor's pid and host name), or older than :data:`STALE_AGE`
+    wherever it runs."""
+    if now - created > STALE_AGE:
+        return True
+    if host != HOST:
+        return False
+    if not pid_alive(pid):
+        return True
+    started = process_started(pid)
+    return started is not None and created < started - START_MARGIN
 
 
 @dataclass(frozen=True)
