@@ -73,6 +73,7 @@ class Settings:
     redirect_hosts: tuple[str, ...] = DEFAULTS["redirect_hosts"]
     max_redirects: int = DEFAULTS["max_redirects"]
     uncached_paths: tuple[str, ...] = DEFAULTS["uncached_paths"]
+    uncached_post_paths: tuple[str, ...] = DEFAULTS["uncached_post_paths"]
     strip_signatures: str = DEFAULTS["strip_signatures"]
     upstream_auth: tuple[Credential, ...] = DEFAULTS["upstream_auth"]
     upstream_headers: tuple[Credential, ...] = DEFAULTS["upstream_headers"]

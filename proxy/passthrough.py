@@ -32,7 +32,7 @@ from proxy.upstream.aio import USER_AGENT
 from proxy.upstream.redirects import check_target
 from shardcache.errors import MethodNotAllowed, ProxyError, UpstreamError
 
-__all__ = ["MAX_BODY", "METHODS", "is_uncached", "pass_through"]
+__all__ = ["MAX_BODY", "on_paths", "METHODS", "is_uncached", "pass_through"]
 
 METHODS = ("GET", "HEAD", "POST")
 MAX_BODY = 1 << 20
@@ -52,6 +52,12 @@ def upstream_path(url: str, upstreams: Sequence[Upstream]) -> str | None:
     return None if best is None else path[len(best) + 1 :]
 
 
+def on_paths(url: str, upstreams: Sequence[Upstream], patterns: Sequence[str]) -> bool:
+    """Whether ``url``'s path relative to its upstream matches one of ``patterns``."""
+    rel = upstream_path(url, upstreams)
+    return rel is not None and any(fnmatch.fnmatchcase(rel, p) for p in patterns)
+
+
 def is_uncached(url: str, upstreams: Sequence[Upstream], patterns: Sequence[str]) -> bool:
     """Whether ``url`` (a mapped upstream URL) lies on a path ``patterns`` name: shell
     patterns matched against the path relative to its upstream (``*`` crosses ``/``).
@@ -59,8 +65,7 @@ def is_uncached(url: str, upstreams: Sequence[Upstream], patterns: Sequence[str]
     ``file://`` upstream, ``api/...`` is a key like any other, an object to cache."""
     if not patterns or not url.lower().startswith(("http://", "https://")):
         return False
-    rel = upstream_path(url, upstreams)
-    return rel is not None and any(fnmatch.fnmatchcase(rel, p) for p in patterns)
+    return on_paths(url, upstreams, patterns)
 
 
 async def pass_through(request: web.Request, url: str) -> web.StreamResponse:
@@ -70,12 +75,20 @@ async def pass_through(request: web.Request, url: str) -> web.StreamResponse:
             f"method {request.method} not allowed on an uncached path; use " + ", ".join(METHODS),
             allow=", ".join(METHODS),
         )
+    s = request.app[SETTINGS]
+    if request.method == "POST" and not on_paths(url, s.upstreams, s.uncached_post_paths):
+        # a POST goes upstream with the proxy's credentials: only where the operator lets
+        # it (by default the Hub's read-only paths-info), never to any API path a client
+        # (or a web page the operator visits, through a loopback proxy) would name
+        raise MethodNotAllowed(
+            "POST is not forwarded to this path (see --uncached-post-path); use GET or HEAD",
+            allow="GET, HEAD",
+        )
     body = b""
     if request.method == "POST":
         if request.content_length is not None and request.content_length > MAX_BODY:
             raise ProxyError(f"request body over {MAX_BODY} bytes", 413)
         body = await _read_body(request)
-    s = request.app[SETTINGS]
     fetcher = request.app[FETCHER]
     origin_host = (urlsplit(url).hostname or "").lower()
     fields = forwarded_fields(request.headers)

@@ -172,6 +172,8 @@ def _upstreams(values: list[str]) -> tuple[Upstream, ...]:
 # the Hugging Face Hub's API (repository info, trees, paths-info): JSON that changes when a
 # branch moves, never an object to keep (see proxy.passthrough)
 DEFAULT_UNCACHED_PATHS: tuple[str, ...] = ("api/*",)
+# the uncached paths a POST is forwarded to: the Hub's paths-info (a read, sent as a form)
+DEFAULT_UNCACHED_POST_PATHS: tuple[str, ...] = ("api/*/paths-info/*",)
 
 
 def _patterns(values: list[str] | str) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ from proxy.policy import (
 from proxy.setting import ENV_PREFIX, GROUPS, Setting, _show_size
 from proxy.setting_values import (
     DEFAULT_UNCACHED_PATHS,
+    DEFAULT_UNCACHED_POST_PATHS,
     _bearer_credentials,
     _cache_dir,
     _domains,
@@ -98,6 +99,19 @@ SETTINGS: tuple[Setting, ...] = (
         _patterns,
         flag="--uncached-path",
         env=ENV_PREFIX + "UNCACHED_PATHS",
+        metavar="PATTERN",
+        many=True,
+        group="upstreams",
+    ),
+    Setting(
+        "uncached_post_paths",
+        DEFAULT_UNCACHED_POST_PATHS,
+        "uncached path a POST is forwarded to, with the proxy's credentials for the "
+        "upstream (a shell pattern as for --uncached-path); a POST elsewhere is 405; the "
+        "default is the Hub's read-only paths-info; repeatable",
+        _patterns,
+        flag="--uncached-post-path",
+        env=ENV_PREFIX + "UNCACHED_POST_PATHS",
         metavar="PATTERN",
         many=True,
         group="upstreams",

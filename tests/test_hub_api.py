@@ -175,6 +175,17 @@ def test_paths_info_is_posted_through(hub, tmp_path):
             p.port, "/datasets/org/ds/resolve/main/train/shard-000001.tar", "POST", body=b""
         )
         assert post.status == 405, post.describe()
+        # nor is a POST to another API path: it would carry the proxy's credentials to
+        # whatever a client (or a web page, through a loopback proxy) names
+        create = fetch(
+            p.port,
+            "/api/repos/create",
+            "POST",
+            body=b'{"name": "x"}',
+            headers={"Content-Type": "text/plain"},
+        )
+        assert create.status == 405 and "POST" not in create.headers.get("allow", "")
+        assert b"--uncached-post-path" in create.body, create.describe()
         posts = [e for e in hub.hub.log if e[0] == "POST"]
         assert len(posts) == 1, hub.hub.log
     finally:
