@@ -275,7 +275,7 @@ async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse |
         return None
     # how long ago the upstream last vouched for these bytes (RFC 9111 5.1)
     age = {"Age": str(max(0, int(time.time() - entry.validated)))}
-    return await _answer(request, entry.meta, XCache.HIT, entry.size, body, age)
+    return await _answer(request, body.meta, XCache.HIT, entry.size, body, age)
 
 
 async def _serve_download(request: web.Request, dl: Download, cache: str) -> web.StreamResponse:
