@@ -171,9 +171,7 @@ def start_proxy(name: str, src: Path, tmp: Path, origin: int, extra: list[str]) 
     env = dict(os.environ, PYTHONPATH=str(src))
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     log = tmp / "proxy.log"
-    proc = subprocess.Popen(
-        cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=src
-    )
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=src)
     try:
         wait_port(port, proc, log, timeout=60)
     except RuntimeError as exc:
@@ -273,7 +271,10 @@ def main() -> int:
             trees.insert(0, ("base", args.base.resolve()))
         proxies = []
         for label, src in trees:
-            for level, extra in (("default log level", []), ("--log-level warning", ["--log-level", "warning"])):
+            for level, extra in (
+                ("default log level", []),
+                ("--log-level warning", ["--log-level", "warning"]),
+            ):
                 name = f"shardcache {label}, {level}"
                 d = tmp / re.sub(r"\W+", "-", name)
                 proxies.append(start_proxy(name, src, d, nginx.port, extra))

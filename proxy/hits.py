@@ -49,7 +49,8 @@ class HitTier:
         self.store = store
         self.max_bytes = max_bytes
         self.max_object = max_object
-        self._ram: OrderedDict[str, tuple[Stamp, bytes]] = OrderedDict()
+        # key -> (the file's stamp, its bytes, its path as a string: what a hit stats)
+        self._ram: OrderedDict[str, tuple[Stamp, bytes, str]] = OrderedDict()
         self._bytes = 0
         # what the answer path derived from an entry's stored fields (its header block),
         # kept with what it was derived from: an entry updated (a 304's new fields) or
@@ -78,7 +79,7 @@ class HitTier:
         if item is None:
             return None
         try:
-            st = os.stat(entry.path)
+            st = os.stat(item[2])
         except OSError:
             self._drop(entry.key)
             return None
@@ -125,10 +126,10 @@ class HitTier:
             return None
         stamp = _stamp(st)
         self._drop(entry.key)
-        self._ram[entry.key] = (stamp, data)
+        self._ram[entry.key] = (stamp, data, os.fspath(entry.path))
         self._bytes += len(data) + ITEM_OVERHEAD
         while self._bytes > self.max_bytes and self._ram:
-            _, (_, old) = self._ram.popitem(last=False)
+            _, (_, old, _) = self._ram.popitem(last=False)
             self._bytes -= len(old) + ITEM_OVERHEAD
         return data
 
