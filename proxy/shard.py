@@ -7,6 +7,7 @@ downloads) is here; the response itself is :mod:`proxy.answer`'s."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -21,6 +22,7 @@ from proxy.answer import (
     _EntryBody,
     _NoBody,
 )
+from proxy.config import Settings
 from proxy.context import (
     ADMIN_ROUTES,
     FETCHER,
@@ -44,6 +46,7 @@ from proxy.peers import (
 )
 from proxy.plans import PLAN_HEADER
 from proxy.policy import (
+    Upstream,
     forwarded_fields,
     map_request,
     must_revalidate_each_use,
@@ -82,8 +85,8 @@ async def _shard(request: web.Request) -> web.StreamResponse:
         if url and is_uncached(url, s.upstreams, s.uncached_paths):
             return await pass_through(request, url)  # an API, not objects
         raise MethodNotAllowed(f"method {request.method} not allowed; use GET or HEAD")
-    url = map_request(raw, s.upstreams, s.allow_hosts, s.max_path_length)
-    if is_uncached(url, s.upstreams, s.uncached_paths):  # an API, not objects
+    url, uncached = _mapped(raw, s)
+    if uncached:  # an API, not objects
         return await pass_through(request, url)
     if path_only.endswith("/") and len(path_only) > 1:
         # a directory (listing), not a shard: forwarded with its slash, never cached
@@ -438,3 +441,25 @@ async def _background(
     dl = inflight.start(url, claimed=claimed, body=body)
     dl.reason = reason
     return dl
+
+
+def _mapped(raw: str, s: Settings) -> tuple[str, bool]:
+    """(The upstream URL of the raw target ``raw``, whether it lies on an uncached path),
+    kept for the last targets asked: readers ask for the same shards again and again."""
+    try:
+        return _mapped_kept(raw, s.upstreams, s.allow_hosts, s.max_path_length, s.uncached_paths)
+    except TypeError:  # settings made with lists (unhashable): not kept
+        url = map_request(raw, s.upstreams, s.allow_hosts, s.max_path_length)
+        return url, is_uncached(url, s.upstreams, s.uncached_paths)
+
+
+@functools.lru_cache(maxsize=1024)
+def _mapped_kept(
+    raw: str,
+    upstreams: tuple[Upstream, ...],
+    allow_hosts: tuple[str, ...],
+    max_length: int,
+    uncached_paths: tuple[str, ...],
+) -> tuple[str, bool]:
+    url = map_request(raw, upstreams, allow_hosts, max_length)
+    return url, is_uncached(url, upstreams, uncached_paths)
