@@ -113,7 +113,9 @@ def wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float = 30)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"exited: {log.read_text(errors='replace')[-2000:]}")
+            raise RuntimeError(
+                f"exited ({proc.returncode}): {log.read_text(errors='replace')[-2000:]}"
+            )
         try:
             get(port, "/obj1k.bin")
             return
@@ -162,6 +164,16 @@ def start_bare(tmp: Path, data: Path) -> Server:
 
 
 def start_proxy(name: str, src: Path, tmp: Path, origin: int, extra: list[str]) -> Server:
+    """The proxy of source tree ``src``, warm; a second try on a failed start (the free
+    port taken meanwhile)."""
+    try:
+        return _start_proxy(name, src, tmp / "1", origin, extra)
+    except RuntimeError as exc:
+        print(f"{exc}; starting again", file=sys.stderr)
+        return _start_proxy(name, src, tmp / "2", origin, extra)
+
+
+def _start_proxy(name: str, src: Path, tmp: Path, origin: int, extra: list[str]) -> Server:
     cache = tmp / "cache"
     cache.mkdir(parents=True)
     cmd = [sys.executable, "-m", "shardcache", "serve", "--cache-dir", str(cache)]

@@ -1,13 +1,15 @@
-"""What the hit tier keeps with an entry so that a hit does not derive it again: the
-header block of the whole-object answer, rebuilt whenever what it is made from changes,
-and the same headers the per-request path builds."""
+"""What a hit does not derive again: the header block of the whole-object answer kept
+with the entry (rebuilt whenever what it is made from changes, the same headers the
+per-request path builds), and the time of a log line made once a second."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 
+from proxy import logs
 from proxy.answer import HIT_FIELDS, _with_fields, whole_headers
 from proxy.decide import XCache
 from proxy.hits import HitTier
@@ -84,3 +86,19 @@ def test_the_kept_block_is_what_each_answer_built(
     assert sorted((k.lower(), str(v)) for k, v in block.items()) == sorted(
         (k.lower(), str(v)) for k, v in built.items()
     )
+
+
+def test_the_log_formatter_writes_what_logging_writes() -> None:
+    """The daemon's formatter makes a line's time once a second; its lines are the
+    standard formatter's, across second boundaries and out-of-order records alike."""
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    ours, standard = logs.Formatter(fmt), logging.Formatter(fmt)
+    base = 1_790_000_000.0
+    for created in [base, base + 0.001, base + 0.999, base + 1.0, base + 0.5, base + 3600.25]:
+        record = logging.LogRecord(
+            "shardcache.access", logging.INFO, __file__, 1, "m %d", (1,), None
+        )
+        record.created, record.msecs = created, (created - int(created)) * 1000
+        assert ours.format(record) == standard.format(record)
+    dated = logs.Formatter(fmt, datefmt="%H:%M")
+    assert dated.format(record) == logging.Formatter(fmt, datefmt="%H:%M").format(record)
