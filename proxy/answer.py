@@ -28,6 +28,7 @@ from proxy.context import (
     _error_response,
     _waited,
 )
+from proxy.decide import XCache
 from proxy.inflight import Download, DownloadFailed, State
 from proxy.policy import (
     ByteRange,
@@ -67,7 +68,7 @@ def _decide(
 
 def _first_byte(request: web.Request, cache: str) -> None:
     """Observe this request's time to first byte."""
-    request.app[METRICS].ttfb.labels(cache=cache).observe(time.monotonic() - request[T_START])
+    request.app[METRICS].observe_ttfb(cache, time.monotonic() - request[T_START])
 
 
 async def _answer(
@@ -84,32 +85,43 @@ async def _answer(
     sent and the response ended — or the connection aborted when ``body`` reports a
     cut. ``body`` is closed when the answer ends."""
     try:
-        own = {"X-Cache": cache, "Accept-Ranges": "bytes"}
-        if meta.etag:
-            own["ETag"] = meta.etag
-        if meta.last_modified:
-            own["Last-Modified"] = meta.last_modified
-        own.update(extra or {})
         cond, brange = _decide(request, size, meta.etag, meta.last_modified)
-        if cond == 304:
-            return web.Response(status=304, headers=_with_fields(meta, own, NOT_MODIFIED_FIELDS))
-        if cond is not None:
-            return _error_response(412, "precondition failed", own)
-        # the upstream's type as it was sent: web.Response(content_type=) refuses one
-        # with parameters ("text/plain; charset=utf-8")
-        own["Content-Type"] = meta.content_type or DEFAULT_TYPE
         status, start, end = 200, 0, size
-        if brange is not None:
-            status, start, end = 206, brange.start, brange.end + 1
-            own["Content-Range"] = brange.content_range
-        headers = _with_fields(meta, own, None, whole=brange is None)
+        if cond is None and brange is None and body.headers is not None:
+            # the whole object: the header block kept with the entry (the response
+            # copies it), then this answer's own fields
+            headers = body.headers
+        else:
+            own = {"X-Cache": cache, "Accept-Ranges": "bytes"}
+            if meta.etag:
+                own["ETag"] = meta.etag
+            if meta.last_modified:
+                own["Last-Modified"] = meta.last_modified
+            own.update(extra or {})
+            if cond == 304:
+                headers = _with_fields(meta, own, NOT_MODIFIED_FIELDS)
+                return web.Response(status=304, headers=headers)
+            if cond is not None:
+                return _error_response(412, "precondition failed", own)
+            # the upstream's type as it was sent: web.Response(content_type=) refuses one
+            # with parameters ("text/plain; charset=utf-8")
+            own["Content-Type"] = meta.content_type or DEFAULT_TYPE
+            if brange is not None:
+                status, start, end = 206, brange.start, brange.end + 1
+                own["Content-Range"] = brange.content_range
+            headers = _with_fields(meta, own, None, whole=brange is None)
+            extra = None
         if body.data is not None:
             resp: web.StreamResponse = web.Response(
                 body=body.data[start:end], status=status, headers=headers
             )
+            if extra:
+                resp.headers.update(extra)
             _first_byte(request, cache)
             return resp
         resp = web.StreamResponse(status=status, headers=headers)
+        if extra:
+            resp.headers.update(extra)
         if end is not None:
             resp.content_length = end - start  # else chunked
         request[T_RESP] = resp
@@ -157,13 +169,32 @@ def _with_fields(
     return out
 
 
+def whole_headers(meta: ObjectMeta, cache: str, extra: tuple[str, ...]) -> CIMultiDict[str]:
+    """The headers of every 200 answer of the whole object ``meta`` with X-Cache
+    ``cache``, but for the fields named in ``extra`` (each answer's own, added to a copy):
+    what :func:`_answer` builds for such an answer, made once per entry."""
+    own = {"X-Cache": str(cache), "Accept-Ranges": "bytes"}
+    if meta.etag:
+        own["ETag"] = meta.etag
+    if meta.last_modified:
+        own["Last-Modified"] = meta.last_modified
+    own.update(dict.fromkeys(extra, ""))
+    own["Content-Type"] = meta.content_type or DEFAULT_TYPE
+    headers = _with_fields(meta, own, None)
+    for name in extra:
+        del headers[name]
+    return headers
+
+
 class _Body:
     """Where the bytes of an answer come from. :func:`_answer` decides the response
     (headers, conditionals, Range, HEAD, an empty body) and hands the byte range to
     :meth:`send`; a source whose bytes are all in memory sets ``data`` and is answered
-    as one ``web.Response`` instead."""
+    as one ``web.Response`` instead. A source that knows the headers of an answer with
+    the whole object (but for the answer's ``extra`` fields) sets ``headers``."""
 
     data: bytes | None = None
+    headers: CIMultiDict[str] | None = None
 
     async def send(
         self,
@@ -183,6 +214,9 @@ class _Body:
         pass
 
 
+HIT_FIELDS = ("Age",)  # the fields of a hit's answer that are its own
+
+
 class _NoBody(_Body):
     """The body of an answer that has none (HEAD without an upstream body)."""
 
@@ -195,6 +229,13 @@ class _EntryBody(_Body):
         self.tier = request.app[HITS]
         self.entry = entry
         self.fobj: Any = None
+        kept = self.tier.kept(entry)
+        if kept is None:
+            meta = entry.meta
+            kept = (meta, whole_headers(meta, XCache.HIT, HIT_FIELDS))
+            self.tier.keep(entry, kept)
+        self.meta: ObjectMeta = kept[0]  # the entry's version, made once
+        self.headers = kept[1]
 
     def open(self) -> bool:
         """Find the entry's bytes (and record the access); False when its file is gone

@@ -296,7 +296,8 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
 
 def configure_logging(level: str) -> None:
     """Set up plain logging to stderr at ``level``."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    from proxy.logs import Formatter  # the time of a line made once a second
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import IO
+from typing import IO, Any
 
 from shardcache.store import Entry, Store
 
@@ -23,8 +23,23 @@ Stamp = tuple[int, int, int]
 ITEM_OVERHEAD = 200  # bytes of Python objects per RAM item beyond its data, for the bound
 
 
+MAX_KEPT = 4096  # entries whose derived header block is kept
+
+
 def _stamp(st: os.stat_result) -> Stamp:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _described(entry: Entry) -> tuple[Any, ...]:
+    """Everything of ``entry`` its answers' headers are made from."""
+    return (
+        entry.size,
+        entry.etag,
+        entry.last_modified,
+        entry.content_type,
+        entry.fields,
+        entry.digests,
+    )
 
 
 class HitTier:
@@ -34,8 +49,14 @@ class HitTier:
         self.store = store
         self.max_bytes = max_bytes
         self.max_object = max_object
-        self._ram: OrderedDict[str, tuple[Stamp, bytes]] = OrderedDict()
+        # key -> (the file's stamp, its bytes, its path as a string: what a hit stats)
+        self._ram: OrderedDict[str, tuple[Stamp, bytes, str]] = OrderedDict()
         self._bytes = 0
+        # what the answer path derived from an entry's stored fields (its header block),
+        # kept with what it was derived from: an entry updated (a 304's new fields) or
+        # replaced gets it derived afresh
+        self._kept: dict[str, tuple[tuple[Any, ...], Any]] = {}
+        self.max_kept = MAX_KEPT
 
     def __len__(self) -> int:
         return len(self._ram)
@@ -58,7 +79,7 @@ class HitTier:
         if item is None:
             return None
         try:
-            st = os.stat(entry.path)
+            st = os.stat(item[2])
         except OSError:
             self._drop(entry.key)
             return None
@@ -67,6 +88,22 @@ class HitTier:
             return None
         self._ram.move_to_end(entry.key)
         return item[1]
+
+    def kept(self, entry: Entry) -> Any:
+        """What :meth:`keep` kept for ``entry`` as it is now, or None."""
+        item = self._kept.get(entry.key)
+        if item is None or item[0] != _described(entry):
+            return None
+        return item[1]
+
+    def keep(self, entry: Entry, value: Any) -> None:
+        """Keep ``value``, derived from ``entry``'s stored description, for the entry's
+        next hits (at most ``max_kept`` entries, the oldest dropped first)."""
+        self._kept.pop(entry.key, None)
+        while len(self._kept) >= self.max_kept > 0:
+            del self._kept[next(iter(self._kept))]
+        if self.max_kept > 0:
+            self._kept[entry.key] = (_described(entry), value)
 
     def load(self, entry: Entry) -> bytes | None:
         """Read a small entry into the RAM tier; None if its file is missing or no longer
@@ -89,10 +126,10 @@ class HitTier:
             return None
         stamp = _stamp(st)
         self._drop(entry.key)
-        self._ram[entry.key] = (stamp, data)
+        self._ram[entry.key] = (stamp, data, os.fspath(entry.path))
         self._bytes += len(data) + ITEM_OVERHEAD
         while self._bytes > self.max_bytes and self._ram:
-            _, (_, old) = self._ram.popitem(last=False)
+            _, (_, old, _) = self._ram.popitem(last=False)
             self._bytes -= len(old) + ITEM_OVERHEAD
         return data
 

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import quote, quote_plus, urlsplit
 
-__all__ = ["PER_SECOND", "ClientErrors", "Redact", "clip", "install", "redact"]
+__all__ = ["PER_SECOND", "ClientErrors", "Formatter", "Redact", "clip", "install", "redact"]
 
 REDACTED = "[REDACTED]"
 PER_SECOND = 5  # lines a second per kind of malformed request; the rest are counted
@@ -166,6 +166,24 @@ class Redact(logging.Filter):
         if record.stack_info:
             record.stack_info = self.redactor(record.stack_info)
         return True
+
+
+class Formatter(logging.Formatter):
+    """``logging.Formatter`` with the date and time of a line made once a second, as
+    nginx keeps its time string: ``time.strftime`` for every access-log line was a fifth
+    of what the line cost. The text is the base class's, to the millisecond."""
+
+    _second: tuple[int, str] = (-1, "")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        if datefmt is not None or self.default_msec_format is None:
+            return super().formatTime(record, datefmt)
+        second = int(record.created)
+        seen, text = self._second
+        if second != seen:
+            text = time.strftime(self.default_time_format, self.converter(record.created))
+            self._second = (second, text)
+        return self.default_msec_format % (text, record.msecs)
 
 
 class RateLimit:

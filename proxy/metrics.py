@@ -56,6 +56,8 @@ from shardcache._version import __version__
 
 __all__ = ["ProxyMetrics"]
 
+MAX_CHILDREN = 256  # labelled children kept resolved per metric
+
 
 class ProxyMetrics:
     """The proxy's counters, gauges and histogram, registered in ``registry``."""
@@ -233,6 +235,9 @@ class ProxyMetrics:
             registry=r,
             multiprocess_mode=latest,
         )
+        # labelled children resolved once: ``labels()`` costs more than the increment
+        self._children: dict[tuple[str, int], tuple[Counter, Counter]] = {}
+        self._ttfb_children: dict[str, Histogram] = {}
         # what /metrics and the totals read: this registry, or every worker's values
         self.exposed = r
         if multiprocess():
@@ -246,9 +251,26 @@ class ProxyMetrics:
         self.service_requests.labels(route=route, code=str(code)).inc()
 
     def observe_request(self, cache: str, code: int, nbytes: int) -> None:
-        self.requests.labels(cache=cache, code=str(code)).inc()
+        children = self._children.get((cache, code))
+        if children is None:
+            children = (
+                self.requests.labels(cache=cache, code=str(code)),
+                self.response_bytes.labels(cache=cache),
+            )
+            if len(self._children) < MAX_CHILDREN:  # an upstream's X-Cache can be anything
+                self._children[cache, code] = children
+        children[0].inc()
         if nbytes:
-            self.response_bytes.labels(cache=cache).inc(nbytes)
+            children[1].inc(nbytes)
+
+    def observe_ttfb(self, cache: str, seconds: float) -> None:
+        """A data request's time to its first body byte."""
+        child = self._ttfb_children.get(cache)
+        if child is None:
+            child = self.ttfb.labels(cache=cache)
+            if len(self._ttfb_children) < MAX_CHILDREN:
+                self._ttfb_children[cache] = child
+        child.observe(seconds)
 
     def totals(self) -> dict[str, int]:
         """Hits, misses (MISS, COALESCED, BYPASS), upstream and served bytes, evictions,

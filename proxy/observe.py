@@ -111,18 +111,33 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
         else:
             request.app[METRICS].observe_request(cache, status, nbytes)
             _account_wait(request, nbytes)
-        access_log.log(
-            logging.DEBUG if route in PROBES and status < 400 else logging.INFO,
-            '%s "%s %s" %d %s %d %.3fs%s',
-            request.remote,
-            request.method,
-            clip(request.raw_path),
-            status,
-            cache,
-            nbytes,
-            duration,
-            note,
-        )
+        level = logging.DEBUG if route in PROBES and status < 400 else logging.INFO
+        if access_log.isEnabledFor(level):
+            # the record made here: Logger.log would walk the stack for the caller's
+            # file and line, which no access-log line shows
+            access_log.handle(
+                access_log.makeRecord(
+                    access_log.name,
+                    level,
+                    __file__,
+                    0,
+                    ACCESS_FORMAT,
+                    (
+                        request.remote,
+                        request.method,
+                        clip(request.raw_path),
+                        status,
+                        cache,
+                        nbytes,
+                        duration,
+                        note,
+                    ),
+                    None,
+                )
+            )
+
+
+ACCESS_FORMAT = '%s "%s %s" %d %s %d %.3fs%s'
 
 
 CUT_OFF = 499  # logged for a request cut off before its status was sent (as nginx does)

@@ -19,20 +19,22 @@ the client's connection instead of ending cleanly.
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 
+from proxy.config import Settings
 from proxy.context import FETCHER, SETTINGS, T_BYTES, T_RESP, _abort_client
 from proxy.decide import XCache
-from proxy.policy import Upstream, end_to_end_headers, forwarded_fields
+from proxy.policy import Upstream, end_to_end_headers, forwarded_fields, map_request
 from proxy.upstream.aio import USER_AGENT
 from proxy.upstream.redirects import check_target
 from shardcache.errors import MethodNotAllowed, ProxyError, UpstreamError
 
-__all__ = ["MAX_BODY", "on_paths", "METHODS", "is_uncached", "pass_through"]
+__all__ = ["MAX_BODY", "mapped", "on_paths", "METHODS", "is_uncached", "pass_through"]
 
 METHODS = ("GET", "HEAD", "POST")
 MAX_BODY = 1 << 20
@@ -188,3 +190,25 @@ def _shown(url: str) -> str:
 
 def _reason(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def mapped(raw: str, s: Settings) -> tuple[str, bool]:
+    """(The upstream URL of the raw target ``raw``, whether it lies on an uncached path),
+    kept for the last targets asked: readers ask for the same shards again and again."""
+    try:
+        return _mapped_kept(raw, s.upstreams, s.allow_hosts, s.max_path_length, s.uncached_paths)
+    except TypeError:  # settings made with lists (unhashable): not kept
+        url = map_request(raw, s.upstreams, s.allow_hosts, s.max_path_length)
+        return url, is_uncached(url, s.upstreams, s.uncached_paths)
+
+
+@functools.lru_cache(maxsize=1024)
+def _mapped_kept(
+    raw: str,
+    upstreams: tuple[Upstream, ...],
+    allow_hosts: tuple[str, ...],
+    max_length: int,
+    uncached_paths: tuple[str, ...],
+) -> tuple[str, bool]:
+    url = map_request(raw, upstreams, allow_hosts, max_length)
+    return url, is_uncached(url, upstreams, uncached_paths)

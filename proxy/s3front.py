@@ -52,6 +52,7 @@ from proxy.errormap import (
 )
 from proxy.s3auth import verify_sigv4
 from proxy.s3request import (
+    _BUCKET_NAME_RE,
     LIST_PARAMS,
     PRESIGN_PARAMS,
     classify_request,
@@ -124,6 +125,8 @@ class S3Front:
     allow_anonymous: bool | None = None
     region: str = "us-east-1"
     clock: Any = field(default=lambda: dt.datetime.now(dt.timezone.utc))
+    # the bucket each Host seen names virtual-hosted (None: none), for the fast test
+    _virtual_hosts: dict[str, str | None] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if bool(self.access_key) != bool(self.secret_key):
@@ -141,6 +144,8 @@ class S3Front:
     @web.middleware
     async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """aiohttp middleware: S3 routes, authentication and XML errors for front buckets."""
+        if self._proxys_own(request):
+            return await handler(request)  # the common case, decided without the rest
         host = request.headers.get("Host")
         target = classify_request(request.raw_path, self.buckets, host, self.domains)
         virtual = virtual_bucket(host, self.domains) is not None
@@ -191,6 +196,35 @@ class S3Front:
             # the upstream's own error answer keeps its status, and its code when it is an
             # S3 error document (an S3 store behind an http(s) upstream)
             return self._error(request, error_answer(exc), resource, request_id)
+
+    def _proxys_own(self, request: web.Request) -> bool:
+        """True for a request the checks below would hand straight to the proxy (kind
+        ``other``: no front bucket in its Host or first path segment, and no S3 client's
+        request for a bucket the front lacks), told from its path and Host alone: with a
+        catch-all upstream every such path is the proxy's, and without one a first segment
+        that cannot name a bucket (``/-/...``) is. False: the full classification decides.
+        A data request of a sidecar pays this test instead of classifying the request
+        and scanning its headers for an S3 client (measured: see BENCHMARKS.md)."""
+        path = request.raw_path.partition("?")[0]
+        if path == "/":
+            return False
+        first = path[1:].partition("/")[0]
+        if first in self.buckets:
+            return False
+        if not self.catch_all and _BUCKET_NAME_RE.match(first):
+            return False
+        if not self.domains:
+            return True
+        host = request.headers.get("Host")
+        if not host:
+            return True
+        virtual = self._virtual_hosts.get(host, False)
+        if virtual is False:
+            virtual = virtual_bucket(host, self.domains)
+            if len(self._virtual_hosts) >= 256:  # the Host is the client's: bounded
+                self._virtual_hosts.clear()
+            self._virtual_hosts[host] = virtual
+        return virtual is None
 
     async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
         """aiohttp ``on_response_prepare``: every answer of the front, errors and object

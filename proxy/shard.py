@@ -38,7 +38,7 @@ from proxy.context import (
 )
 from proxy.decide import Claim, Facts, Step, XCache, decide
 from proxy.inflight import Download, State
-from proxy.passthrough import is_uncached, pass_through
+from proxy.passthrough import is_uncached, mapped, pass_through
 from proxy.peers import (
     _forward,
 )
@@ -90,8 +90,8 @@ async def _shard(request: web.Request) -> web.StreamResponse:
         if url and is_uncached(url, s.upstreams, s.uncached_paths):
             return await pass_through(request, url)  # an API, not objects
         raise MethodNotAllowed(f"method {request.method} not allowed; use GET or HEAD")
-    url = map_request(raw, s.upstreams, s.allow_hosts, s.max_path_length)
-    if is_uncached(url, s.upstreams, s.uncached_paths):  # an API, not objects
+    url, uncached = mapped(raw, s)
+    if uncached:  # an API, not objects
         return await pass_through(request, url)
     # the client's credentials go to the upstream only where the operator allows it, and
     # then the answer is this client's alone: never stored, never shared (RFC 9111 3.5)
@@ -351,7 +351,7 @@ async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse |
     # the upstream's Age when it last vouched for these bytes, or their apparent age
     # by its Date, plus the time since (RFC 9111 4.2.3, 5.1)
     age = {"Age": str(int(current_age(entry.fields, entry.validated, time.time())))}
-    return await _answer(request, entry.meta, XCache.HIT, entry.size, body, age)
+    return await _answer(request, body.meta, XCache.HIT, entry.size, body, age)
 
 
 async def _serve_download(request: web.Request, dl: Download, cache: str) -> web.StreamResponse:

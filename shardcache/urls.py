@@ -8,6 +8,7 @@ without ``proxy=``.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import re
@@ -34,6 +35,7 @@ _SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
 
 
+@functools.lru_cache(maxsize=4096)  # a hit asks twice (downloads, index): MD5 and a UUID
 def shard_uuid(path: str) -> str:
     """Return the stable cache name of a shard: ``str(uuid.uuid3(uuid.NAMESPACE_URL, path))``.
 

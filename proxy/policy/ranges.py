@@ -16,6 +16,7 @@ Range choices (documented behaviour):
 from __future__ import annotations
 
 import email.utils
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -132,6 +133,7 @@ def _shown(header: str, limit: int = 64) -> str:
     return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"
 
 
+@functools.lru_cache(maxsize=1024)  # the same few dates come back with every request
 def _parse_http_date(value: str | None) -> datetime | None:
     if not value:
         return None
@@ -178,8 +180,9 @@ def range_applies(headers: Mapping[str, str], etag: str | None, last_modified: s
 def conditional_status(
     method: str, headers: Mapping[str, str], etag: str | None, last_modified: str | None
 ) -> int | None:
-    """RFC 9110 §13.2.2 evaluation order; returns 304, 412 or None (serve normally)."""
-    lm = _parse_http_date(last_modified)
+    """RFC 9110 §13.2.2 evaluation order; returns 304, 412 or None (serve normally).
+    ``last_modified`` is parsed only when a date precondition asks for it: most requests
+    carry none, and parsing an HTTP-date costs more than the rest of this together."""
     if_match = headers.get("If-Match")
     if if_match is not None:
         tags = _etags(if_match)
@@ -191,6 +194,7 @@ def conditional_status(
             return 412
     else:
         ius = _parse_http_date(headers.get("If-Unmodified-Since"))
+        lm = _parse_http_date(last_modified) if ius is not None else None
         if ius is not None and lm is not None and lm > ius:
             return 412
     if_none_match = headers.get("If-None-Match")
@@ -202,6 +206,7 @@ def conditional_status(
             return 304 if method in ("GET", "HEAD") else 412
     elif method in ("GET", "HEAD"):
         ims = _parse_http_date(headers.get("If-Modified-Since"))
+        lm = _parse_http_date(last_modified) if ims is not None else None
         if ims is not None and lm is not None and lm <= ims:
             return 304
     return None
