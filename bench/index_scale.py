@@ -224,7 +224,14 @@ def one_run(
         rss_ready = rss_mb(proc.pid)
         rng = random.Random(run * 7919 + n)
         before = origin.requests
-        paths = [f"/obj/{rng.randrange(n)}" for _ in range(args.hits)]
+        # seeded entries still cached (the misses of earlier runs evicted some)
+        paths = []
+        for _ in range(args.hits * 10):
+            i = rng.randrange(n)
+            if os.path.exists(cache_dir / shard_uuid(f"{origin.base}/obj/{i}")):
+                paths.append(f"/obj/{i}")
+                if len(paths) == args.hits:
+                    break
         hit = timed_gets(port, paths, time.monotonic() + args.phase_time)
         if origin.requests != before:
             raise RuntimeError(f"{origin.requests - before} hits reached the origin")
