@@ -57,8 +57,6 @@ CREATE TABLE IF NOT EXISTS entries (
     fields TEXT,                    -- JSON [[name, value], ...]: the upstream's header fields
     digests TEXT                    -- JSON {algorithm: hex}: computed as the bytes were written
 );
-CREATE INDEX IF NOT EXISTS entries_last_access ON entries(last_access);
-CREATE INDEX IF NOT EXISTS entries_created ON entries(created);
 CREATE TABLE IF NOT EXISTS reservations (
     name TEXT PRIMARY KEY,          -- the .part file name
     key TEXT NOT NULL,
@@ -70,6 +68,17 @@ CREATE TABLE IF NOT EXISTS reservations (
     bytes INTEGER NOT NULL
 );
 """
+
+# eviction order, one index per policy (the columns of eviction.eviction_order's sort):
+# choosing victims reads the first rows of one of them, not every row. They replace the
+# single-column indexes of earlier releases; an index without them gains them when opened
+# (no format change: an older shardcache reads and writes the index as before).
+_ORDER_INDEXES = (
+    "CREATE INDEX IF NOT EXISTS entries_lru ON entries(last_access, created, key)",
+    "CREATE INDEX IF NOT EXISTS entries_fifo ON entries(created, last_access, key)",
+    "DROP INDEX IF EXISTS entries_last_access",
+    "DROP INDEX IF EXISTS entries_created",
+)
 
 # entry count and bytes kept by the database itself: no SUM over 100,000 rows per miss
 _TOTALS = (
@@ -128,6 +137,10 @@ class Index:
             conn.execute("PRAGMA synchronous = NORMAL")
             if version < FORMAT_VERSION:
                 self._migrate(conn, version)
+            elif not conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = 'entries_fifo'"
+            ).fetchone():
+                self._add_order_indexes(conn)
         except sqlite3.Error as exc:
             raise self._unusable(exc) from exc
         self._conn = conn
@@ -150,6 +163,8 @@ class Index:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     conn.execute(statement)
+            for statement in _ORDER_INDEXES:
+                conn.execute(statement)
             for statement in _TOTALS:
                 conn.execute(statement)
             conn.execute(f"PRAGMA user_version = {FORMAT_VERSION}")
@@ -165,6 +180,20 @@ class Index:
                 max(version, 1),
                 FORMAT_VERSION,
             )
+
+    def _add_order_indexes(self, conn: sqlite3.Connection) -> None:
+        """Give an index of this format made by an earlier release the eviction-order
+        indexes (once; a minute or so for ten million rows)."""
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in _ORDER_INDEXES:
+                conn.execute(statement)
+            conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            raise
+        log.info("%s: eviction-order indexes added to the index", self.cache_dir)
 
     def _unusable(self, exc: BaseException) -> StoreUnusable:
         index = self.cache_dir / INDEX_NAME
