@@ -168,22 +168,29 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def timed_gets(port: int, paths: list[str], deadline: float) -> list[float]:
+def timed_gets(port: int, paths: list[str], deadline: float, errors: list[str]) -> list[float]:
     """GET each path in turn on one keep-alive connection until ``deadline``; the
-    seconds of each (fewer than ``paths`` when the time ran out)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    seconds of each (fewer than ``paths`` when the time ran out). A request that fails
+    is recorded in ``errors`` (and the connection made again), not timed."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     out = []
     try:
         for path in paths:
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or len(errors) > 10:
                 break
             t0 = time.perf_counter()
-            conn.request("GET", path)
-            resp = conn.getresponse()
-            body = resp.read()
+            try:
+                conn.request("GET", path)
+                resp = conn.getresponse()
+                body = resp.read()
+            except (OSError, http.client.HTTPException) as exc:
+                errors.append(f"GET {path}: {exc!r}")
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+                continue
             out.append(time.perf_counter() - t0)
             if resp.status != 200 or not body:
-                raise RuntimeError(f"GET {path}: {resp.status}, {len(body)} bytes")
+                errors.append(f"GET {path}: {resp.status}, {len(body)} bytes")
     finally:
         conn.close()
     return out
@@ -232,15 +239,20 @@ def one_run(
                 paths.append(f"/obj/{i}")
                 if len(paths) == args.hits:
                     break
-        hit = timed_gets(port, paths, time.monotonic() + args.phase_time)
+        errors: list[str] = []
+        hit = timed_gets(port, paths, time.monotonic() + args.phase_time, errors)
         if origin.requests != before:
             raise RuntimeError(f"{origin.requests - before} hits reached the origin")
         rss_hits = rss_mb(proc.pid)
         paths = [f"/obj/new-{n}-{run}-{i}" for i in range(args.misses)]
-        miss = timed_gets(port, paths, time.monotonic() + args.phase_time)
+        miss = timed_gets(port, paths, time.monotonic() + args.phase_time, errors)
         if origin.requests - before < len(miss):
             raise RuntimeError("misses did not reach the origin")
         rss_misses = rss_mb(proc.pid)
+        for e in errors:
+            print(f"  error: {e}", flush=True)
+        if proc.poll() is not None:
+            print(f"  the proxy exited with {proc.returncode}; see {log}", flush=True)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -260,6 +272,7 @@ def one_run(
         "miss_p99": pct(miss, 0.99) * 1e3,
         "hits": len(hit),
         "misses": len(miss),
+        "errors": len(errors),
     }
 
 
@@ -286,6 +299,8 @@ def main() -> None:
     results: dict[int, dict[str, float]] = {}
     seeded: dict[int, float] = {}
     tmp = Path(tempfile.mkdtemp(prefix="index-scale-", dir=args.tmp))
+    log = tmp.parent / f"{tmp.name}.proxy.log"  # kept: the proxies' output
+    print(f"proxy output: {log}", flush=True)
     try:
         for n in sizes:
             cache_dir = tmp / f"cache-{n}"
@@ -293,7 +308,7 @@ def main() -> None:
             print(f"N={n:,}: seeded in {seeded[n]:.1f} s", flush=True)
             runs = []
             for run in range(args.runs):
-                r = one_run(args, cache_dir, origin, n, tmp / "proxy.log", run)
+                r = one_run(args, cache_dir, origin, n, log, run)
                 print(f"  run {run + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()),
                       flush=True)  # fmt: skip
                 runs.append(r)
@@ -312,14 +327,15 @@ def main() -> None:
           f"{os.cpu_count()} CPUs")  # fmt: skip
     print()
     print("| entries | seed | restart to ready | RSS ready | RSS after hits | RSS after misses "
-          "| hit p50 / p99 | miss p50 / p99 (count) |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| hit p50 / p99 | miss p50 / p99 (count) | errors |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, r in results.items():
         print(
             f"| {n:,} | {seeded[n]:.0f} s | {r['ready_s']:.2f} s | {r['rss_ready']:.0f} MB "
             f"| {r['rss_hits']:.0f} MB | {r['rss_misses']:.0f} MB "
             f"| {r['hit_p50']:.2f} / {r['hit_p99']:.2f} ms "
-            f"| {r['miss_p50']:.1f} / {r['miss_p99']:.1f} ms ({r['misses']:.0f}) |"
+            f"| {r['miss_p50']:.1f} / {r['miss_p99']:.1f} ms ({r['misses']:.0f}) "
+            f"| {r['errors']:.0f} |"
         )
 
 
