@@ -5,17 +5,21 @@ of :mod:`shardcache.eviction` choose over every row."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import re
 import sqlite3
 import time
+import tracemalloc
+from pathlib import Path
 
 import pytest
 
 from shardcache.eviction import choose_victims, choose_victims_planned
-from shardcache.store import FORMAT_VERSION, INDEX_NAME, Store, shard_uuid
-from shardcache.store.entry import ENTRY_COLS, ENTRY_INSERT, row_to_entry
+from shardcache.meta import ObjectMeta
+from shardcache.store import FORMAT_VERSION, INDEX_NAME, Entry, Store, shard_uuid
+from shardcache.store.entry import ENTRY_COLS, ENTRY_INSERT, Memo, row_to_entry
 from shardcache.store.index import Rollback
 from shardcache.store.space import ORDER_BY
 
@@ -232,3 +236,72 @@ def test_recent_hits_count_before_the_sql_order(tmp_path):
     assert partial is not None
     assert (tmp_path / oldest.key).exists()
     store.abort(partial)
+
+
+def memo_entry(i: int, **kw) -> Entry:
+    url = f"http://127.0.0.1:8000/datasets/train/shard-{i:06d}.tar"
+    etag = f'"{i:032x}"'
+    lm = "Tue, 24 Nov 2026 10:00:00 GMT"
+    fields = (
+        ("Cache-Control", "max-age=3600"),
+        ("Content-Type", "application/x-tar"),
+        ("ETag", etag),
+        ("Last-Modified", lm),
+    )
+    now = 1_800_000_000.0 + i
+    row = dict(
+        key=shard_uuid(url), url=url, path=Path("/c") / shard_uuid(url), size=1 << 20,
+        etag=etag, last_modified=lm, content_type="application/x-tar", created=now,
+        last_access=now + 0.5, hits=i % 7, validated=now + 0.25, fields=fields,
+        digests=(("crc32c", f"{i:08x}"), ("md5", f"{i:032x}")),
+    )  # fmt: skip
+    row.update(kw)
+    return Entry(**row)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        memo_entry(1),
+        memo_entry(2, etag=None, last_modified=None, content_type=None, fields=(), digests=()),
+        memo_entry(3, url="http://o/\udcff caf\u00e9/x.tar", etag=""),
+        memo_entry(4, fields=(("X-Note", "a=b; c"), ("X-Empty", ""))),
+    ],
+)
+def test_the_memo_gives_back_the_entry_it_was_given(entry):
+    memo = Memo(Path("/c"), 10)
+    memo.put(entry)
+    assert memo.get(entry.key) == entry
+    memo.refresh(dataclasses.replace(entry, hits=99))
+    assert memo.get(entry.key) == dataclasses.replace(entry, hits=99)
+    memo.pop(entry.key)
+    assert memo.get(entry.key) is None and len(memo) == 0
+
+
+def test_a_row_the_memo_cannot_pack_is_read_from_the_index(tmp_path):
+    store = Store(tmp_path)
+    url = "http://origin/odd.tar"
+    partial = store.begin(url, 2)
+    partial.path.write_bytes(b"ab")
+    meta = ObjectMeta(size=2, fields=(("X-Odd", "a\x1fb"),))
+    committed = store.commit(partial, 2, meta=meta)
+    assert len(store._mem) == 0  # not kept in memory
+    assert store.lookup(url) == committed  # from the index, every time
+    assert committed.fields == (("X-Odd", "a\x1fb"),)
+
+
+def test_the_memo_holds_an_entry_in_a_third_of_the_memory(tmp_path):
+    n = 5000
+    entries = [memo_entry(i) for i in range(n)]
+    memo = Memo(Path("/c"), n)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for e in entries:
+            memo.put(e)
+        per_entry = (tracemalloc.get_traced_memory()[0] - before) / n
+    finally:
+        tracemalloc.stop()
+    # a dict of tuples of the row's objects took some 1,500 bytes an entry
+    assert per_entry < 600, per_entry
+    assert memo.get(entries[123].key) == entries[123]
