@@ -18,7 +18,7 @@ import pytest
 
 from shardcache.eviction import choose_victims, choose_victims_planned
 from shardcache.meta import ObjectMeta
-from shardcache.store import FORMAT_VERSION, INDEX_NAME, Entry, Store, shard_uuid
+from shardcache.store import FORMAT_VERSION, INDEX_NAME, Entry, Store, reconcile, shard_uuid
 from shardcache.store.entry import ENTRY_COLS, ENTRY_INSERT, Memo, row_to_entry
 from shardcache.store.index import Rollback
 from shardcache.store.space import ORDER_BY
@@ -148,7 +148,8 @@ def test_room_for_counts_only_the_planned_keys_present(tmp_path):
     assert store.room_for(["absent"]) == (1000, None)
 
 
-def test_open_reads_names_in_chunks_not_every_row(tmp_path):
+def test_open_reads_names_in_chunks_not_every_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(reconcile, "NAMES_PER_QUERY", 500)
     store = Store(tmp_path)
     seed(store, 1200, 1)
     store.close()
@@ -179,10 +180,12 @@ def test_open_finds_orphans_and_missing_files_together(tmp_path):
     for k in orphans:
         (tmp_path / k).write_bytes(b"orphan")
     (tmp_path / f"{keys[5]}.abc.del").write_bytes(b"old")
+    other = "x" * 36  # not an entry name, not the store's: left alone
+    (tmp_path / other).write_bytes(b"mine")
     store = Store(tmp_path)
     assert store.stats()["entries"] == 1200 - len(gone)
     left = {p.name for p in tmp_path.iterdir() if not p.name.startswith(INDEX_NAME)}
-    assert left == set(keys) - set(gone)
+    assert left == set(keys) - set(gone) | {other}
     for k in gone:
         assert store.lookup(f"http://origin/s/{keys.index(k)}.tar") is None
 

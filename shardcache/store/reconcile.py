@@ -22,7 +22,8 @@ from shardcache.errors import CacheError
 from shardcache.store.downloads import Downloads
 from shardcache.store.entry import Entry
 from shardcache.store.names import PathStr, is_del, is_uuid, owner_gone, parse_part, size_of
-from shardcache.store.space import KEYS_PER_QUERY
+
+NAMES_PER_QUERY = 5000  # directory names looked up in the index at a time, when opening
 
 log = logging.getLogger("shardcache.store")
 
@@ -186,15 +187,17 @@ class Reconcile(Downloads):
             chunk.clear()
 
         for name in self._listing():
-            if self._leftover(name, report, fix, live, to_unlink) or not is_uuid(name):
-                continue
-            chunk.append(name)
-            if len(chunk) >= KEYS_PER_QUERY:
-                settle()
+            if len(name) == 36 and "." not in name:  # maybe an entry: looked up below
+                chunk.append(name)
+                if len(chunk) >= NAMES_PER_QUERY:
+                    settle()
+            else:
+                self._leftover(name, report, fix, live, to_unlink)
         if chunk:
             settle()
         for name in orphans:
-            self._orphan(name, report, fix, to_unlink)
+            if is_uuid(name):
+                self._orphan(name, report, fix, to_unlink)
         if found >= rows:
             return
         base = str(self.cache_dir)
