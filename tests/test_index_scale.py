@@ -10,6 +10,8 @@ import os
 import random
 import re
 import sqlite3
+import subprocess
+import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -198,6 +200,7 @@ def test_an_index_of_this_format_made_before_gains_the_order_indexes(tmp_path):
     conn = sqlite3.connect(tmp_path / INDEX_NAME)
     conn.execute("DROP INDEX entries_lru")
     conn.execute("DROP INDEX entries_fifo")
+    conn.execute("DROP TABLE sessions")
     conn.execute("CREATE INDEX entries_last_access ON entries(last_access)")
     conn.execute("CREATE INDEX entries_created ON entries(created)")
     conn.commit()
@@ -308,3 +311,101 @@ def test_the_memo_holds_an_entry_in_a_third_of_the_memory(tmp_path):
     # a dict of tuples of the row's objects took some 1,500 bytes an entry
     assert per_entry < 600, per_entry
     assert memo.get(entries[123].key) == entries[123]
+
+
+# -- opening after a clean end -----------------------------------------------------------
+
+
+def names_compared(store_dir: Path) -> tuple[Store, bool]:
+    """Open a store on ``store_dir``; whether opening compared the names with the index."""
+    seen: list[str] = []
+
+    class Traced(Store):
+        def _connect(self) -> sqlite3.Connection:
+            fresh = self._conn is None
+            conn = super()._connect()
+            if fresh:
+                conn.set_trace_callback(seen.append)
+            return conn
+
+    store = Traced(store_dir)
+    conn = store._connect()
+    conn.set_trace_callback(None)
+    return store, any("WHERE key IN" in s for s in seen)
+
+
+def test_a_large_store_closed_cleanly_opens_without_comparing_names(tmp_path, monkeypatch):
+    monkeypatch.setattr(reconcile, "SCAN_ALWAYS", 10)
+    store = Store(tmp_path)
+    keys = seed(store, 30, 2)
+    store.close()
+    store, compared = names_compared(tmp_path)
+    assert not compared
+    assert store.stats()["entries"] == 30
+    # trust holds without the pass: a file that went is dropped when found, a file
+    # without a row is never served
+    os.unlink(tmp_path / keys[0])
+    orphan = shard_uuid("http://elsewhere/x.tar")
+    (tmp_path / orphan).write_bytes(b"zz")
+    assert store.open_hit("http://origin/s/0.tar") is None
+    assert store.stats()["entries"] == 29
+    assert store.open_hit("http://elsewhere/x.tar") is None
+    store.close()
+    # small stores are compared every time
+    monkeypatch.setattr(reconcile, "SCAN_ALWAYS", 100)
+    store, compared = names_compared(tmp_path)
+    assert compared and not (tmp_path / orphan).exists()
+
+
+def test_a_process_that_died_with_the_store_open_makes_the_next_open_compare(tmp_path, monkeypatch):
+    monkeypatch.setattr(reconcile, "SCAN_ALWAYS", 10)
+    store = Store(tmp_path)
+    seed(store, 30, 2)
+    store.close()
+    code = (
+        "import os, sys; from shardcache.store import Store; "
+        f"s = Store({str(tmp_path)!r}); "
+        f"open(os.path.join({str(tmp_path)!r}, {shard_uuid('http://lost/1')!r}), 'wb').write(b'x'); "
+        "os._exit(0)"  # dies without close(), its orphan left behind
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    store, compared = names_compared(tmp_path)
+    assert compared
+    assert not (tmp_path / shard_uuid("http://lost/1")).exists()
+    store.close()
+    store, compared = names_compared(tmp_path)  # that was a clean end again
+    assert not compared
+
+
+def test_a_stale_reservation_makes_the_open_compare(tmp_path, monkeypatch):
+    monkeypatch.setattr(reconcile, "SCAN_ALWAYS", 10)
+    store = Store(tmp_path)
+    seed(store, 30, 2)
+    partial = store.begin("http://origin/new.tar", 1)
+    with store._tx() as conn:  # as if a process that died had begun it
+        conn.execute("UPDATE reservations SET pid = ?", (dead_pid(),))
+    store._session_pid = None  # and that process had not closed the store either
+    store.close()
+    store, compared = names_compared(tmp_path)
+    assert compared and not partial.path.exists()
+
+
+def test_an_index_from_before_sessions_is_compared_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(reconcile, "SCAN_ALWAYS", 10)
+    store = Store(tmp_path)
+    seed(store, 30, 2)
+    store.close()
+    conn = sqlite3.connect(tmp_path / INDEX_NAME)
+    conn.execute("DROP TABLE sessions")
+    conn.commit()
+    conn.close()
+    store, compared = names_compared(tmp_path)
+    assert compared
+    store.close()
+    store, compared = names_compared(tmp_path)
+    assert not compared
+
+
+def dead_pid() -> int:
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    return int(p.stdout)

@@ -78,7 +78,14 @@ _ORDER_INDEXES = (
     "CREATE INDEX IF NOT EXISTS entries_fifo ON entries(created, last_access, key)",
     "DROP INDEX IF EXISTS entries_last_access",
     "DROP INDEX IF EXISTS entries_created",
+    # the processes that opened the store and have not closed it: a row of a dead one
+    # means an unclean end, after which opening compares every name (reconcile)
+    "CREATE TABLE IF NOT EXISTS sessions (pid INTEGER NOT NULL, host TEXT NOT NULL, "
+    "started REAL NOT NULL)",
 )
+# a sessions row standing for the processes of an earlier release, which kept none: the
+# first open after it compares every name
+UNTRACKED = "INSERT INTO sessions (pid, host, started) VALUES (0, '', 0)"
 
 # entry count and bytes kept by the database itself: no SUM over 100,000 rows per miss
 _TOTALS = (
@@ -137,9 +144,13 @@ class Index:
             conn.execute("PRAGMA synchronous = NORMAL")
             if version < FORMAT_VERSION:
                 self._migrate(conn, version)
-            elif not conn.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = 'entries_fifo'"
-            ).fetchone():
+            elif (
+                conn.execute(
+                    "SELECT COUNT(*) FROM sqlite_master WHERE (type = 'index' AND name = "
+                    "'entries_fifo') OR (type = 'table' AND name = 'sessions')"
+                ).fetchone()[0]
+                < 2
+            ):
                 self._add_order_indexes(conn)
         except sqlite3.Error as exc:
             raise self._unusable(exc) from exc
@@ -165,6 +176,8 @@ class Index:
                     conn.execute(statement)
             for statement in _ORDER_INDEXES:
                 conn.execute(statement)
+            if existed:
+                conn.execute(UNTRACKED)
             for statement in _TOTALS:
                 conn.execute(statement)
             conn.execute(f"PRAGMA user_version = {FORMAT_VERSION}")
@@ -183,17 +196,18 @@ class Index:
 
     def _add_order_indexes(self, conn: sqlite3.Connection) -> None:
         """Give an index of this format made by an earlier release the eviction-order
-        indexes (once; a minute or so for ten million rows)."""
+        indexes and the sessions table (once; a minute or so for ten million rows)."""
         conn.execute("BEGIN IMMEDIATE")
         try:
             for statement in _ORDER_INDEXES:
                 conn.execute(statement)
+            conn.execute(UNTRACKED)
             conn.execute("COMMIT")
         except BaseException:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
             raise
-        log.info("%s: eviction-order indexes added to the index", self.cache_dir)
+        log.info("%s: eviction-order indexes and sessions added to the index", self.cache_dir)
 
     def _unusable(self, exc: BaseException) -> StoreUnusable:
         index = self.cache_dir / INDEX_NAME

@@ -21,9 +21,21 @@ from typing import NamedTuple
 from shardcache.errors import CacheError
 from shardcache.store.downloads import Downloads
 from shardcache.store.entry import Entry
-from shardcache.store.names import PathStr, is_del, is_uuid, owner_gone, parse_part, size_of
+from shardcache.store.names import (
+    HOST,
+    PathStr,
+    is_del,
+    is_uuid,
+    owner_gone,
+    parse_part,
+    size_of,
+)
 
 NAMES_PER_QUERY = 5000  # directory names looked up in the index at a time, when opening
+# up to this many entries opening always compares every name (about a second); above it,
+# only after an unclean end (a process that opened the store died without closing it, or
+# left a reservation behind)
+SCAN_ALWAYS = 100_000
 
 log = logging.getLogger("shardcache.store")
 
@@ -256,7 +268,37 @@ class Reconcile(Downloads):
             if key not in seen:
                 self._missing(report, fix, conn, key, entry.url)
 
-    def _reconcile(self, fix: bool, verify_sizes: bool = True) -> CheckReport:
+    def _sessions(self, conn: sqlite3.Connection, now: float) -> bool:
+        """Register this process as having the store open; drop the rows of processes
+        that died with it open. True when there were any (an unclean end)."""
+        unclean = False
+        for rowid, pid, host, started in conn.execute(
+            "SELECT rowid, pid, host, started FROM sessions"
+        ).fetchall():
+            if pid == 0 or owner_gone(pid, host, started, now):
+                unclean = True
+                conn.execute("DELETE FROM sessions WHERE rowid = ?", (rowid,))
+        conn.execute(
+            "INSERT INTO sessions (pid, host, started) VALUES (?, ?, ?)", (os.getpid(), HOST, now)
+        )
+        self._session_pid = os.getpid()
+        return unclean
+
+    def _end_session(self) -> None:
+        """This process no longer has the store open (a clean end): its sessions row goes."""
+        if getattr(self, "_session_pid", None) != os.getpid():
+            return
+        with self._tx() as conn:
+            conn.execute(
+                "DELETE FROM sessions WHERE rowid = (SELECT rowid FROM sessions "
+                "WHERE pid = ? AND host = ? LIMIT 1)",
+                (os.getpid(), HOST),
+            )
+        self._session_pid = None
+
+    def _reconcile(
+        self, fix: bool, verify_sizes: bool = True, *, opening: bool = False
+    ) -> CheckReport:
         report = CheckReport(ok=True)
         to_unlink: list[Path] = []
         evicted: list[tuple[Entry, Path | None]] = []
@@ -264,20 +306,30 @@ class Reconcile(Downloads):
         with self._tx() as conn:
             # Reservations of dead processes.
             live_parts: set[str] = set()
+            stale = False
             for name, pid, host, created in conn.execute(
                 "SELECT name, pid, host, created FROM reservations"
             ).fetchall():
                 if owner_gone(pid, host, created, now):
+                    stale = True
                     report.problems.append(f"stale reservation {name} (pid {pid})")
                     if fix:
                         conn.execute("DELETE FROM reservations WHERE name = ?", (name,))
                         report.fixed.append(f"released reservation {name}")
                 else:
                     live_parts.add(name)
+            unclean = self._sessions(conn, now) if opening else True
             if verify_sizes:
                 self._scan_sizes(conn, report, fix, live_parts, to_unlink)
-            else:
+            elif (
+                unclean
+                or stale
+                or conn.execute("SELECT entries FROM totals WHERE id = 0").fetchone()[0]
+                <= SCAN_ALWAYS
+            ):
                 self._scan_names(conn, report, fix, live_parts, to_unlink)
+            else:
+                log.debug("%s: clean end, names not compared", self.cache_dir)
             # The size bound (e.g. after cache_size was lowered between runs).
             entries_bytes, reserved = self._used(conn)
             if entries_bytes + reserved > self.cache_size:

@@ -7,7 +7,11 @@ the store keeps ``min_free`` bytes of its filesystem free: admission counts ever
 reservation as not yet written, so the disk does not fill in normal operation even when
 other files on it grow. Which entries to evict is decided by the pure functions of
 :mod:`shardcache.eviction` (LRU/FIFO, or Belady's rule over read plans when a planner is
-set); :meth:`Space._make_room` carries the choice out inside a transaction.
+set); :meth:`Space._make_room` carries the choice out inside a transaction. The rules
+see only the rows that can matter: the first ones in the policy's order, read from an
+index on its columns until they cover the excess, and with read plans the planned rows,
+looked up by key; so a decision costs what it evicts (and the plans), not the cache's
+size.
 """
 
 from __future__ import annotations
