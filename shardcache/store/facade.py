@@ -39,7 +39,11 @@ class Store(Reconcile):
 
     Opening reconciles the index with the directory and repairs it (stale downloads,
     orphans, missing files, the size bound); ``reconcile=False`` skips that, e.g. to
-    report with ``check()`` before repairing anything.
+    report with ``check()`` before repairing anything. Above 100,000 entries the names
+    are compared only after an unclean end (a process died with the store open, or left
+    a reservation): a clean store opens in time independent of its size, and trust does
+    not rest on the pass (a file without a row is never served; a row whose file is gone
+    is dropped when a hit finds it).
 
     ``min_free`` is kept free on the cache's filesystem: bytes (int), a fraction of the
     filesystem (float below 1) or None for the default, 5% of the filesystem and at most
@@ -100,6 +104,7 @@ class Store(Reconcile):
         # reservations whose release failed (index not writable): .part name -> bytes,
         # released by the next flush and not counted as reserved meanwhile
         self._unreleased: dict[str, int] = {}
+        self._session_pid: int | None = None  # this process's row in the sessions table
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -114,7 +119,7 @@ class Store(Reconcile):
             # names only: with 100,000 entries a stat of each would cost seconds; sizes
             # are checked on every hit (fstat) and by check()
             try:
-                self._reconcile(fix=True, verify_sizes=False)
+                self._reconcile(fix=True, verify_sizes=False, opening=True)
             except StoreWriteError as exc:
                 raise self._unusable(exc) from exc
             self._fit_to_disk()
@@ -124,6 +129,8 @@ class Store(Reconcile):
         if used again)."""
         with contextlib.suppress(CacheError):
             self.flush_access()
+        with contextlib.suppress(CacheError):
+            self._end_session()
         self._close_index()
 
     def __enter__(self) -> Store:

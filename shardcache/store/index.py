@@ -57,8 +57,6 @@ CREATE TABLE IF NOT EXISTS entries (
     fields TEXT,                    -- JSON [[name, value], ...]: the upstream's header fields
     digests TEXT                    -- JSON {algorithm: hex}: computed as the bytes were written
 );
-CREATE INDEX IF NOT EXISTS entries_last_access ON entries(last_access);
-CREATE INDEX IF NOT EXISTS entries_created ON entries(created);
 CREATE TABLE IF NOT EXISTS reservations (
     name TEXT PRIMARY KEY,          -- the .part file name
     key TEXT NOT NULL,
@@ -70,6 +68,24 @@ CREATE TABLE IF NOT EXISTS reservations (
     bytes INTEGER NOT NULL
 );
 """
+
+# eviction order, one index per policy (the columns of eviction.eviction_order's sort):
+# choosing victims reads the first rows of one of them, not every row. They replace the
+# single-column indexes of earlier releases; an index without them gains them when opened
+# (no format change: an older shardcache reads and writes the index as before).
+_ORDER_INDEXES = (
+    "CREATE INDEX IF NOT EXISTS entries_lru ON entries(last_access, created, key)",
+    "CREATE INDEX IF NOT EXISTS entries_fifo ON entries(created, last_access, key)",
+    "DROP INDEX IF EXISTS entries_last_access",
+    "DROP INDEX IF EXISTS entries_created",
+    # the processes that opened the store and have not closed it: a row of a dead one
+    # means an unclean end, after which opening compares every name (reconcile)
+    "CREATE TABLE IF NOT EXISTS sessions (pid INTEGER NOT NULL, host TEXT NOT NULL, "
+    "started REAL NOT NULL)",
+)
+# a sessions row standing for the processes of an earlier release, which kept none: the
+# first open after it compares every name
+UNTRACKED = "INSERT INTO sessions (pid, host, started) VALUES (0, '', 0)"
 
 # entry count and bytes kept by the database itself: no SUM over 100,000 rows per miss
 _TOTALS = (
@@ -128,6 +144,14 @@ class Index:
             conn.execute("PRAGMA synchronous = NORMAL")
             if version < FORMAT_VERSION:
                 self._migrate(conn, version)
+            elif (
+                conn.execute(
+                    "SELECT COUNT(*) FROM sqlite_master WHERE (type = 'index' AND name = "
+                    "'entries_fifo') OR (type = 'table' AND name = 'sessions')"
+                ).fetchone()[0]
+                < 2
+            ):
+                self._add_order_indexes(conn)
         except sqlite3.Error as exc:
             raise self._unusable(exc) from exc
         self._conn = conn
@@ -150,6 +174,10 @@ class Index:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     conn.execute(statement)
+            for statement in _ORDER_INDEXES:
+                conn.execute(statement)
+            if existed:
+                conn.execute(UNTRACKED)
             for statement in _TOTALS:
                 conn.execute(statement)
             conn.execute(f"PRAGMA user_version = {FORMAT_VERSION}")
@@ -165,6 +193,21 @@ class Index:
                 max(version, 1),
                 FORMAT_VERSION,
             )
+
+    def _add_order_indexes(self, conn: sqlite3.Connection) -> None:
+        """Give an index of this format made by an earlier release the eviction-order
+        indexes and the sessions table (once; a minute or so for ten million rows)."""
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in _ORDER_INDEXES:
+                conn.execute(statement)
+            conn.execute(UNTRACKED)
+            conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            raise
+        log.info("%s: eviction-order indexes and sessions added to the index", self.cache_dir)
 
     def _unusable(self, exc: BaseException) -> StoreUnusable:
         index = self.cache_dir / INDEX_NAME

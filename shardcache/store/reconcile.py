@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -19,7 +21,21 @@ from typing import NamedTuple
 from shardcache.errors import CacheError
 from shardcache.store.downloads import Downloads
 from shardcache.store.entry import Entry
-from shardcache.store.names import PathStr, is_del, is_uuid, owner_gone, parse_part, size_of
+from shardcache.store.names import (
+    HOST,
+    PathStr,
+    is_del,
+    is_uuid,
+    owner_gone,
+    parse_part,
+    size_of,
+)
+
+NAMES_PER_QUERY = 5000  # directory names looked up in the index at a time, when opening
+# up to this many entries opening always compares every name (about a second); above it,
+# only after an unclean end (a process that opened the store died without closing it, or
+# left a reservation behind)
+SCAN_ALWAYS = 100_000
 
 log = logging.getLogger("shardcache.store")
 
@@ -100,7 +116,189 @@ class Reconcile(Downloads):
                     "cache %s: dropped %s: its bytes changed on disk", self.cache_dir, entry.url
                 )
 
-    def _reconcile(self, fix: bool, verify_sizes: bool = True) -> CheckReport:
+    def _listing(self) -> Iterator[str]:
+        """The names in the cache directory, as the directory yields them (streamed)."""
+        try:
+            with os.scandir(self.cache_dir) as it:
+                for de in it:
+                    yield de.name
+        except OSError as exc:
+            raise CacheError(f"{self.cache_dir}: cannot list cache directory: {exc}") from exc
+
+    def _leftover(
+        self, name: str, report: CheckReport, fix: bool, live: set[str], to_unlink: list[Path]
+    ) -> bool:
+        """Whether ``name`` is a download or an evicted file (dealt with here: a ``.part``
+        without a live reservation and a ``.del`` are removed), not an entry name."""
+        if parse_part(name) is not None:
+            # No live reservation: its writer is gone (begin reserves before it creates
+            # the file; commit and abort remove both together).
+            if name not in live:
+                report.stale_partials += 1
+                report.problems.append(f"stale partial download {name}")
+                if fix:
+                    to_unlink.append(self.cache_dir / name)
+                    report.fixed.append(f"removed {name}")
+            return True
+        if is_del(name):
+            report.problems.append(f"leftover evicted file {name}")
+            if fix:
+                to_unlink.append(self.cache_dir / name)
+                report.fixed.append(f"removed {name}")
+            return True
+        return False
+
+    def _orphan(self, name: str, report: CheckReport, fix: bool, to_unlink: list[Path]) -> None:
+        """An entry file without an index row: reported, and with ``fix`` removed."""
+        path = PathStr(str(self.cache_dir), name)
+        size = size_of(str(path))
+        if size is None:
+            return
+        report.orphans += 1
+        report.problems.append(f"orphan entry file {name} ({size} bytes, not in the index)")
+        if fix:
+            moved = self._move_aside(path.path)
+            if moved is not None:
+                to_unlink.append(moved)
+            report.fixed.append(f"removed orphan {name}")
+
+    def _missing(
+        self, report: CheckReport, fix: bool, conn: sqlite3.Connection, key: str, url: str
+    ) -> None:
+        report.missing += 1
+        report.problems.append(f"entry {key} ({url}) has no file")
+        if fix:
+            conn.execute("DELETE FROM entries WHERE key = ?", (key,))
+            report.fixed.append(f"dropped row {key} ({url})")
+
+    def _scan_names(
+        self,
+        conn: sqlite3.Connection,
+        report: CheckReport,
+        fix: bool,
+        live: set[str],
+        to_unlink: list[Path],
+    ) -> None:
+        """The directory against the index by names alone (the open-time pass), in memory
+        bounded whatever the number of entries: the names are streamed and looked up in
+        the index a chunk at a time; rows without a file are looked for (one ``lstat`` per
+        row) only when fewer names had rows than the index holds."""
+        rows = conn.execute("SELECT entries FROM totals WHERE id = 0").fetchone()[0]
+        found = 0
+        chunk: list[str] = []
+        orphans: list[str] = []  # moved aside after the listing, which must not see them
+
+        def settle() -> None:
+            nonlocal found
+            marks = ",".join("?" * len(chunk))
+            have = {
+                r[0] for r in conn.execute(f"SELECT key FROM entries WHERE key IN ({marks})", chunk)
+            }
+            found += len(have)
+            orphans.extend(name for name in chunk if name not in have)
+            chunk.clear()
+
+        for name in self._listing():
+            if len(name) == 36 and "." not in name:  # maybe an entry: looked up below
+                chunk.append(name)
+                if len(chunk) >= NAMES_PER_QUERY:
+                    settle()
+            else:
+                self._leftover(name, report, fix, live, to_unlink)
+        if chunk:
+            settle()
+        for name in orphans:
+            if is_uuid(name):
+                self._orphan(name, report, fix, to_unlink)
+        if found >= rows:
+            return
+        base = str(self.cache_dir)
+        gone = []
+        cur = conn.execute("SELECT key, url FROM entries")
+        try:
+            for key, url in cur:
+                if not os.path.lexists(os.path.join(base, key)):
+                    gone.append((key, url))
+                    if found + len(gone) >= rows:
+                        break
+        finally:
+            cur.close()
+        for key, url in gone:
+            self._missing(report, fix, conn, key, url)
+
+    def _scan_sizes(
+        self,
+        conn: sqlite3.Connection,
+        report: CheckReport,
+        fix: bool,
+        live: set[str],
+        to_unlink: list[Path],
+    ) -> None:
+        """The directory against the index, every entry file's size too (``check``)."""
+        # key -> (url, size): no Entry objects for every row
+        rows = {
+            r[0]: Indexed(r[1], r[2])
+            for r in conn.execute("SELECT key, url, size FROM entries").fetchall()
+        }
+        seen: set[str] = set()
+        base = str(self.cache_dir)
+        for name in list(self._listing()):  # a snapshot: files are moved aside below
+            if self._leftover(name, report, fix, live, to_unlink) or not is_uuid(name):
+                continue
+            seen.add(name)
+            entry = rows.get(name)
+            if entry is None:
+                self._orphan(name, report, fix, to_unlink)
+                continue
+            path = PathStr(base, name)
+            size = size_of(str(path))
+            if size is None or size == entry.size:
+                continue
+            report.size_mismatch += 1
+            report.problems.append(
+                f"entry {name} ({entry.url}) is {size} bytes, index says {entry.size}"
+            )
+            if fix:
+                conn.execute("DELETE FROM entries WHERE key = ?", (name,))
+                moved = self._move_aside(path.path)
+                if moved is not None:
+                    to_unlink.append(moved)
+                report.fixed.append(f"dropped entry {name} ({entry.url})")
+        for key, entry in rows.items():
+            if key not in seen:
+                self._missing(report, fix, conn, key, entry.url)
+
+    def _sessions(self, conn: sqlite3.Connection, now: float) -> bool:
+        """Register this process as having the store open; drop the rows of processes
+        that died with it open. True when there were any (an unclean end)."""
+        unclean = False
+        for rowid, pid, host, started in conn.execute(
+            "SELECT rowid, pid, host, started FROM sessions"
+        ).fetchall():
+            if pid == 0 or owner_gone(pid, host, started, now):
+                unclean = True
+                conn.execute("DELETE FROM sessions WHERE rowid = ?", (rowid,))
+        conn.execute(
+            "INSERT INTO sessions (pid, host, started) VALUES (?, ?, ?)", (os.getpid(), HOST, now)
+        )
+        self._session_pid = os.getpid()
+        return unclean
+
+    def _end_session(self) -> None:
+        """This process no longer has the store open (a clean end): its sessions row goes."""
+        if getattr(self, "_session_pid", None) != os.getpid():
+            return
+        with self._tx() as conn:
+            conn.execute(
+                "DELETE FROM sessions WHERE rowid = (SELECT rowid FROM sessions "
+                "WHERE pid = ? AND host = ? LIMIT 1)",
+                (os.getpid(), HOST),
+            )
+        self._session_pid = None
+
+    def _reconcile(
+        self, fix: bool, verify_sizes: bool = True, *, opening: bool = False
+    ) -> CheckReport:
         report = CheckReport(ok=True)
         to_unlink: list[Path] = []
         evicted: list[tuple[Entry, Path | None]] = []
@@ -108,83 +306,30 @@ class Reconcile(Downloads):
         with self._tx() as conn:
             # Reservations of dead processes.
             live_parts: set[str] = set()
+            stale = False
             for name, pid, host, created in conn.execute(
                 "SELECT name, pid, host, created FROM reservations"
             ).fetchall():
                 if owner_gone(pid, host, created, now):
+                    stale = True
                     report.problems.append(f"stale reservation {name} (pid {pid})")
                     if fix:
                         conn.execute("DELETE FROM reservations WHERE name = ?", (name,))
                         report.fixed.append(f"released reservation {name}")
                 else:
                     live_parts.add(name)
-            # Files in the directory (key -> (url, size): no Entry objects for 100k rows)
-            rows = {
-                r[0]: Indexed(r[1], r[2])
-                for r in conn.execute("SELECT key, url, size FROM entries").fetchall()
-            }
-            seen: set[str] = set()
-            base = str(self.cache_dir)
-            try:
-                names = os.listdir(self.cache_dir)
-            except OSError as exc:
-                raise CacheError(f"{self.cache_dir}: cannot list cache directory: {exc}") from exc
-            for name in names:
-                if not verify_sizes and name in rows:
-                    seen.add(name)  # an indexed entry: nothing more to learn without a stat
-                    continue
-                path = PathStr(base, name)
-                if parse_part(name) is not None:
-                    # No live reservation: its writer is gone (begin reserves before it
-                    # creates the file; commit and abort remove both together).
-                    if name in live_parts:
-                        continue
-                    report.stale_partials += 1
-                    report.problems.append(f"stale partial download {name}")
-                    if fix:
-                        to_unlink.append(path.path)
-                        report.fixed.append(f"removed {name}")
-                elif is_del(name):
-                    report.problems.append(f"leftover evicted file {name}")
-                    if fix:
-                        to_unlink.append(path.path)
-                        report.fixed.append(f"removed {name}")
-                elif is_uuid(name):
-                    seen.add(name)
-                    entry = rows.get(name)
-                    if entry is not None and not verify_sizes:
-                        continue
-                    size = size_of(str(path))
-                    if size is None:
-                        continue
-                    if entry is None:
-                        report.orphans += 1
-                        report.problems.append(
-                            f"orphan entry file {name} ({size} bytes, not in the index)"
-                        )
-                        if fix:
-                            moved = self._move_aside(path.path)
-                            if moved is not None:
-                                to_unlink.append(moved)
-                            report.fixed.append(f"removed orphan {name}")
-                    elif size != entry.size:
-                        report.size_mismatch += 1
-                        report.problems.append(
-                            f"entry {name} ({entry.url}) is {size} bytes, index says {entry.size}"
-                        )
-                        if fix:
-                            conn.execute("DELETE FROM entries WHERE key = ?", (name,))
-                            moved = self._move_aside(path.path)
-                            if moved is not None:
-                                to_unlink.append(moved)
-                            report.fixed.append(f"dropped entry {name} ({entry.url})")
-            for key, entry in rows.items():
-                if key not in seen:
-                    report.missing += 1
-                    report.problems.append(f"entry {key} ({entry.url}) has no file")
-                    if fix:
-                        conn.execute("DELETE FROM entries WHERE key = ?", (key,))
-                        report.fixed.append(f"dropped row {key} ({entry.url})")
+            unclean = self._sessions(conn, now) if opening else True
+            if verify_sizes:
+                self._scan_sizes(conn, report, fix, live_parts, to_unlink)
+            elif (
+                unclean
+                or stale
+                or conn.execute("SELECT entries FROM totals WHERE id = 0").fetchone()[0]
+                <= SCAN_ALWAYS
+            ):
+                self._scan_names(conn, report, fix, live_parts, to_unlink)
+            else:
+                log.debug("%s: clean end, names not compared", self.cache_dir)
             # The size bound (e.g. after cache_size was lowered between runs).
             entries_bytes, reserved = self._used(conn)
             if entries_bytes + reserved > self.cache_size:

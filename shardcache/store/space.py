@@ -7,7 +7,11 @@ the store keeps ``min_free`` bytes of its filesystem free: admission counts ever
 reservation as not yet written, so the disk does not fill in normal operation even when
 other files on it grow. Which entries to evict is decided by the pure functions of
 :mod:`shardcache.eviction` (LRU/FIFO, or Belady's rule over read plans when a planner is
-set); :meth:`Space._make_room` carries the choice out inside a transaction.
+set); :meth:`Space._make_room` carries the choice out inside a transaction. The rules
+see only the rows that can matter: the first ones in the policy's order, read from an
+index on its columns until they cover the excess, and with read plans the planned rows,
+looked up by key; so a decision costs what it evicts (and the plans), not the cache's
+size.
 """
 
 from __future__ import annotations
@@ -30,6 +34,12 @@ log = logging.getLogger("shardcache.store")
 # what read plans say about the future: (key -> next planned use, keys never to evict,
 # key -> the use a streamed download of it is cached for)
 Advice = tuple[Mapping[str, float], Collection[str], Mapping[str, float]]
+
+# eviction order as SQL, per policy: the columns of eviction_order's sort, each order an
+# index scan (entries_lru, entries_fifo in the schema)
+ORDER_BY = {"lru": "last_access, created, key", "fifo": "created, last_access, key"}
+EVICTION_BATCH = 256  # rows read at a time while choosing victims
+KEYS_PER_QUERY = 500  # keys per "key IN (...)" lookup (SQLite allows 999 at least)
 
 DEFAULT_MIN_FREE_FRACTION = 0.05
 DEFAULT_MIN_FREE_CAP = 1 << 30  # the default keeps 5% of the filesystem free, at most 1 GiB
@@ -181,12 +191,17 @@ class Space(Access):
             return []
         # recent hits count in the LRU order before anything is chosen
         self._apply_touches(conn, self._take_touches())
-        rows = [
-            row_to_entry(self.cache_dir, r)
-            for r in conn.execute(f"SELECT {ENTRY_COLS} FROM entries").fetchall()
-        ]
+        excess = used + need - limit
         if planned is not None:
             next_use, protected, admit = planned
+            skip = set(exclude)
+            skip.update(protected)
+            # the least recently used unplanned rows that cover the excess, then (only if
+            # they do not) the planned rows: choose_victims_planned takes the unplanned in
+            # LRU order first, so it chooses from these as from every row
+            rows = self._in_order(conn, "lru", excess, skip, next_use)
+            if sum(r.size for r in rows) < excess:
+                rows += self._rows_of(conn, [k for k in next_use if k not in skip])
             victims = choose_victims_planned(
                 rows,
                 used,
@@ -204,6 +219,9 @@ class Space(Access):
                 ),
             )
         else:
+            rows = (
+                [] if self.policy == "keep" else self._in_order(conn, self.policy, excess, exclude)
+            )
             victims = choose_victims(rows, self.policy, used, limit, need, exclude)
         if victims is None:
             return None
@@ -213,6 +231,56 @@ class Space(Access):
             self._mem.pop(victim.key, None)
             evicted.append((victim, self._move_aside(victim.path)))
         return evicted
+
+    def _in_order(
+        self,
+        conn: sqlite3.Connection,
+        policy: str,
+        excess: int,
+        skip: Collection[str] = (),
+        planned: Collection[str] = (),
+    ) -> list[Entry]:
+        """The first rows in ``policy``'s eviction order (lru or fifo, as
+        :func:`~shardcache.eviction.eviction_order` sorts them), leaving out keys in
+        ``skip`` and ``planned``, until their sizes add up to ``excess``: read from the
+        index in that order (an index scan), so a decision costs the rows it evicts, not
+        every row."""
+        skip = skip if isinstance(skip, (set, frozenset, dict)) else set(skip)
+        rows: list[Entry] = []
+        total = 0
+        if excess <= 0:
+            return rows
+        cur = conn.execute(f"SELECT {ENTRY_COLS} FROM entries ORDER BY {ORDER_BY[policy]}")
+        try:
+            while total < excess:
+                batch = cur.fetchmany(EVICTION_BATCH)
+                if not batch:
+                    break
+                for r in batch:
+                    if r[0] in skip or r[0] in planned:
+                        continue
+                    rows.append(row_to_entry(self.cache_dir, r))
+                    total += r[2]
+                    if total >= excess:
+                        break
+        finally:
+            cur.close()
+        return rows
+
+    def _rows_of(self, conn: sqlite3.Connection, keys: Iterable[str]) -> list[Entry]:
+        """The rows of ``keys`` that are in the index, looked up by key in chunks."""
+        keys = list(keys)
+        rows: list[Entry] = []
+        for i in range(0, len(keys), KEYS_PER_QUERY):
+            chunk = keys[i : i + KEYS_PER_QUERY]
+            marks = ",".join("?" * len(chunk))
+            rows.extend(
+                row_to_entry(self.cache_dir, r)
+                for r in conn.execute(
+                    f"SELECT {ENTRY_COLS} FROM entries WHERE key IN ({marks})", chunk
+                )
+            )
+        return rows
 
     def _planned(self) -> Advice | None:
         """What the read plans say about the future, when any are registered and the
@@ -235,14 +303,18 @@ class Space(Access):
         with self._lock:
             conn = self._connect()
             entries_bytes, reserved = self._used(conn)
-            rows = conn.execute("SELECT key, size FROM entries").fetchall()
-        other = mine = count = 0
-        for k, n in rows:
-            if k in planned:
-                mine += int(n)
-                count += 1
-            else:
-                other += int(n)
+            keys = list(dict.fromkeys(planned))
+            mine = count = 0
+            for i in range(0, len(keys), KEYS_PER_QUERY):  # the planned set, not every row
+                chunk = keys[i : i + KEYS_PER_QUERY]
+                n, nbytes = conn.execute(
+                    "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries WHERE key IN "
+                    f"({','.join('?' * len(chunk))})",
+                    chunk,
+                ).fetchone()
+                mine += int(nbytes)
+                count += int(n)
+        other = entries_bytes - mine
         free = max(0, self.disk_limit(entries_bytes) - entries_bytes - reserved) + other
         return free, (mine / count if count else None)
 

@@ -1,0 +1,343 @@
+"""The index at scale: restart to ready, RSS, hit and miss latency of the proxy over a
+store of N entries, the index seeded directly (no N downloads).
+
+    .venv/bin/python bench/index_scale.py                       # 100,000 and 1,000,000
+    .venv/bin/python bench/index_scale.py --sizes 100000 --runs 3
+    .venv/bin/python bench/index_scale.py --sizes 100000,1000000,10000000 --tmp /big/disk
+
+Seeding: a :class:`~shardcache.store.Store` makes the empty index, then N rows are
+inserted in one transaction (URL ``<origin>/obj/<i>``, key ``shard_uuid`` of it,
+``--size`` bytes, distinct access times) and N sparse files of that size are created
+(``ftruncate``: no data blocks), so the store on disk is consistent, as after a clean
+shutdown. ``--cache-size`` is exactly the seeded bytes: the cache is full, and every
+miss evicts an entry.
+
+For each N, ``--runs`` times: ``shardcache serve`` is spawned on the directory and timed
+to the first 200 of ``GET /-/readyz`` (restart to ready); its ``VmRSS`` is read when
+ready, after ``--hits`` random hits of seeded entries (one keep-alive client, one request
+at a time: p50/p99 latency) and after ``--misses`` misses of new objects from a local
+origin (each one evicting: p50/p99 latency), each phase bounded by ``--phase-time``
+seconds (the figures then cover the requests made in time); then it is stopped with SIGTERM. The origin
+counts its requests: a hit that reaches it fails the run. Figures are medians over the
+runs. Everything is deleted at the end. Targets (issue #24): ready <= 2 / 5 / 30 s, RSS
+<= 150 / 250 / 600 MB at 100k / 1M / 10M, hit latency and miss latency flat within 20%
+from the smallest N to the largest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import http.server
+import os
+import random
+import shutil
+import signal
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from shardcache.store import INDEX_NAME, Store  # noqa: E402
+from shardcache.urls import shard_uuid  # noqa: E402
+
+BODY_BYTE = b"x"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Origin:
+    """A local origin: ``GET /obj/<name>`` answers ``size`` bytes; requests are counted."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.requests = 0
+        origin = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:  # noqa: N802
+                origin.requests += 1
+                body = BODY_BYTE * origin.size
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Content-Type", "application/x-tar")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_HEAD(self) -> None:  # noqa: N802
+                origin.requests += 1
+                self.send_response(200)
+                self.send_header("Content-Length", str(origin.size))
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def seed(cache_dir: Path, origin: str, n: int, size: int) -> float:
+    """An index of ``n`` rows and their ``n`` sparse files; returns the seconds taken."""
+    t0 = time.monotonic()
+    with Store(cache_dir, reconcile=False) as store:
+        store.used()  # the schema, as this shardcache makes it
+    conn = sqlite3.connect(cache_dir / INDEX_NAME, isolation_level=None)
+    now = time.time() - 86400
+    order = list(range(n))
+    random.Random(n).shuffle(order)  # access order unrelated to the names
+    base = str(cache_dir)
+    conn.execute("BEGIN IMMEDIATE")
+    chunk = 50_000
+    for start in range(0, n, chunk):
+        rows = []
+        for i in range(start, min(n, start + chunk)):
+            url = f"{origin}/obj/{i}"
+            key = shard_uuid(url)
+            created = now + i * 1e-3
+            rows.append(
+                (
+                    key,
+                    url,
+                    size,
+                    None,
+                    None,
+                    "application/x-tar",
+                    created,
+                    now + order[i] * 1e-3,
+                    0,
+                    created,
+                    None,
+                    None,
+                )
+            )
+            fd = os.open(os.path.join(base, key), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.ftruncate(fd, size)
+            os.close(fd)
+        conn.executemany(
+            "INSERT INTO entries (key, url, size, etag, last_modified, content_type, created, "
+            "last_access, hits, validated, fields, digests) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            rows,
+        )
+    conn.execute("COMMIT")
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    return time.monotonic() - t0
+
+
+def rss_mb(pid: int) -> float:
+    """VmRSS of ``pid`` and its children (the workers, if any), in MB (10^6 bytes)."""
+    total = 0
+    pids = [pid]
+    with contextlib.suppress(OSError):
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        pids += [int(k) for k in kids]
+    for p in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+    return total / 1e6
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def timed_gets(port: int, paths: list[str], deadline: float, errors: list[str]) -> list[float]:
+    """GET each path in turn on one keep-alive connection until ``deadline``; the
+    seconds of each (fewer than ``paths`` when the time ran out). A request that fails
+    is recorded in ``errors`` (and the connection made again), not timed."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    out = []
+    try:
+        for path in paths:
+            if time.monotonic() > deadline or len(errors) > 10:
+                break
+            t0 = time.perf_counter()
+            try:
+                conn.request("GET", path)
+                resp = conn.getresponse()
+                body = resp.read()
+            except (OSError, http.client.HTTPException) as exc:
+                errors.append(f"GET {path}: {exc!r}")
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+                continue
+            out.append(time.perf_counter() - t0)
+            if resp.status != 200 or not body:
+                errors.append(f"GET {path}: {resp.status}, {len(body)} bytes")
+    finally:
+        conn.close()
+    return out
+
+
+def one_run(
+    args: argparse.Namespace, cache_dir: Path, origin: Origin, n: int, log: Path, run: int
+) -> dict[str, float]:
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "shardcache", "serve",
+        "--upstream", origin.base,
+        "--cache-dir", str(cache_dir),
+        "--cache-size", str(n * args.size),
+        "--port", str(port),
+        "--log-level", "warning",
+    ]  # fmt: skip
+    with open(log, "ab") as logf:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(argv, stdout=logf, stderr=logf, start_new_session=True)
+    try:
+        ready = None
+        deadline = t0 + args.ready_timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the proxy exited with {proc.returncode}; see {log}")
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                c.request("GET", "/-/readyz")
+                status = c.getresponse().status
+                c.close()
+                if status == 200:
+                    ready = time.monotonic() - t0
+                    break
+            time.sleep(0.01)
+        if ready is None:
+            raise TimeoutError(f"not ready in {args.ready_timeout} s")
+        rss_ready = rss_mb(proc.pid)
+        rng = random.Random(run * 7919 + n)
+        before = origin.requests
+        # seeded entries still cached (the misses of earlier runs evicted some)
+        paths = []
+        for _ in range(args.hits * 10):
+            i = rng.randrange(n)
+            if os.path.exists(cache_dir / shard_uuid(f"{origin.base}/obj/{i}")):
+                paths.append(f"/obj/{i}")
+                if len(paths) == args.hits:
+                    break
+        errors: list[str] = []
+        hit = timed_gets(port, paths, time.monotonic() + args.phase_time, errors)
+        if origin.requests != before:
+            raise RuntimeError(f"{origin.requests - before} hits reached the origin")
+        rss_hits = rss_mb(proc.pid)
+        paths = [f"/obj/new-{n}-{run}-{i}" for i in range(args.misses)]
+        miss = timed_gets(port, paths, time.monotonic() + args.phase_time, errors)
+        if origin.requests - before < len(miss):
+            raise RuntimeError("misses did not reach the origin")
+        rss_misses = rss_mb(proc.pid)
+        for e in errors:
+            print(f"  error: {e}", flush=True)
+        if proc.poll() is not None:
+            print(f"  the proxy exited with {proc.returncode}; see {log}", flush=True)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    return {
+        "ready_s": ready,
+        "rss_ready": rss_ready,
+        "rss_hits": rss_hits,
+        "rss_misses": rss_misses,
+        "hit_p50": pct(hit, 0.5) * 1e3,
+        "hit_p99": pct(hit, 0.99) * 1e3,
+        "miss_p50": pct(miss, 0.5) * 1e3,
+        "miss_p99": pct(miss, 0.99) * 1e3,
+        "hits": len(hit),
+        "misses": len(miss),
+        "errors": len(errors),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="100000,1000000", help="entry counts, comma-separated")
+    ap.add_argument("--size", type=int, default=4096, help="bytes of each entry (sparse files)")
+    ap.add_argument("--runs", type=int, default=3, help="proxy starts per N (medians)")
+    ap.add_argument("--hits", type=int, default=2000)
+    ap.add_argument("--misses", type=int, default=300)
+    ap.add_argument("--tmp", default=None, help="directory for the cache (default: $TMPDIR)")
+    ap.add_argument("--ready-timeout", type=float, default=300.0)
+    ap.add_argument(
+        "--phase-time",
+        type=float,
+        default=60.0,
+        help="seconds at most for the hits, and "
+        "for the misses (the figures then cover the requests made in that time)",
+    )
+    ap.add_argument("--keep", action="store_true", help="leave the seeded cache in place")
+    args = ap.parse_args()
+    sizes = [int(s.replace("_", "")) for s in args.sizes.split(",") if s]
+    origin = Origin(args.size)
+    results: dict[int, dict[str, float]] = {}
+    seeded: dict[int, float] = {}
+    tmp = Path(tempfile.mkdtemp(prefix="index-scale-", dir=args.tmp))
+    log = tmp.parent / f"{tmp.name}.proxy.log"  # kept: the proxies' output
+    print(f"proxy output: {log}", flush=True)
+    try:
+        for n in sizes:
+            cache_dir = tmp / f"cache-{n}"
+            seeded[n] = seed(cache_dir, origin.base, n, args.size)
+            print(f"N={n:,}: seeded in {seeded[n]:.1f} s", flush=True)
+            runs = []
+            for run in range(args.runs):
+                r = one_run(args, cache_dir, origin, n, log, run)
+                print(f"  run {run + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()),
+                      flush=True)  # fmt: skip
+                runs.append(r)
+            results[n] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            if not args.keep:
+                t0 = time.monotonic()
+                shutil.rmtree(cache_dir)
+                print(f"  removed in {time.monotonic() - t0:.1f} s", flush=True)
+    finally:
+        origin.close()
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print()
+    print(f"{args.size}-byte entries, {args.runs} runs per N (medians), {args.hits} hits, "
+          f"{args.misses} evicting misses; python {sys.version.split()[0]}, "
+          f"{os.cpu_count()} CPUs")  # fmt: skip
+    print()
+    print("| entries | seed | restart to ready | RSS ready | RSS after hits | RSS after misses "
+          "| hit p50 / p99 | miss p50 / p99 (count) | errors |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n, r in results.items():
+        print(
+            f"| {n:,} | {seeded[n]:.0f} s | {r['ready_s']:.2f} s | {r['rss_ready']:.0f} MB "
+            f"| {r['rss_hits']:.0f} MB | {r['rss_misses']:.0f} MB "
+            f"| {r['hit_p50']:.2f} / {r['hit_p99']:.2f} ms "
+            f"| {r['miss_p50']:.1f} / {r['miss_p99']:.1f} ms ({r['misses']:.0f}) "
+            f"| {r['errors']:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
