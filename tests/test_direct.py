@@ -72,9 +72,10 @@ def test_committed_entries_are_read_from_the_directory(rig):
     hits = reader.hits
     for _ in range(3):
         for i in (0, 1):
-            assert read(url_of(proxy, i), proxy_cache_dir=proxy.cache_dir) == SHARDS[
-                f"d/s-{i:03d}.tar"
-            ]
+            assert (
+                read(url_of(proxy, i), proxy_cache_dir=proxy.cache_dir)
+                == SHARDS[f"d/s-{i:03d}.tar"]
+            )
     assert reader.hits == hits + 6
     assert requests_seen(proxy) == before  # not one request reached the proxy
     assert sum(origin.gets.values()) == gets
