@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from shardcache import ShardDataset, gopen, plan
-from shardcache.direct import direct_reader
+from shardcache.direct import DirectReader, direct_reader
 from shardcache.workers import WorkerEnvironment
 from tests.proxy_helpers import Origin, ProxyProcess, make_shard
 
@@ -239,3 +239,24 @@ def test_a_revalidating_proxy_is_not_read_directly(tmp_path, caplog):
     finally:
         proxy.stop()
         origin.stop()
+
+
+def test_a_mapping_the_proxy_does_not_confirm_is_not_used(rig, caplog):
+    _, proxy = rig
+    cache(proxy, 7)
+    url = url_of(proxy, 7)
+    good = DirectReader(proxy.url, proxy.cache_dir)
+    f = good.open(url)
+    assert f is not None and f.read() == SHARDS["d/s-007.tar"]
+    f.close()
+    bad = DirectReader(proxy.url, proxy.cache_dir)
+    bad._setup()
+    assert bad._rules is not None
+    bad._rules["ds"] += "/elsewhere"  # a mapping that disagrees with the proxy's
+    with caplog.at_level(logging.WARNING, logger="shardcache.direct"):
+        assert bad.open(url) is None
+        assert bad.open(url) is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "shardcache.direct"]
+    assert len(lines) == 1 and "not" in lines[0] and "go through the proxy" in lines[0]
+    good.close()
+    bad.close()
