@@ -469,9 +469,14 @@ def paced(it, rate: float, wid: int, extra: dict | None = None):
             break
         t1 = time.monotonic()
         wait += t1 - t0
-        # webdataset: jpg and cls as bytes; Streaming: jpg bytes, cls an int
+        # webdataset: jpg and cls as bytes; Streaming: jpg bytes, cls an int; LitData: jpg
+        # a memoryview, cls an int
         n = sum(
-            len(v) if isinstance(v, bytes | bytearray) else len(str(v))
+            v.nbytes
+            if isinstance(v, memoryview)
+            else len(v)
+            if isinstance(v, bytes | bytearray)
+            else len(str(v))
             for k, v in s.items()
             if k in ("jpg", "cls")
         )

@@ -281,6 +281,7 @@ class DirectReader:
                 target=_run, args=(ref, wake), name="shardcache-direct", daemon=True
             ).start()
             _at_exit.add(self)
+            _flush_at_process_exit()
 
     def _send_notes(self) -> None:
         for _ in range(NOTIFY_QUEUE):
@@ -326,6 +327,7 @@ def _run(ref: weakref.ref, wake: threading.Event) -> None:
 
 
 _at_exit: weakref.WeakSet[DirectReader] = weakref.WeakSet()
+_finalizer_pid = -1
 
 
 @atexit.register
@@ -335,8 +337,31 @@ def _flush_all() -> None:
             reader.flush()
 
 
+def _flush_at_process_exit() -> None:
+    """Flush at the exit of a ``multiprocessing`` child too (a DataLoader worker), which
+    ends without running ``atexit`` handlers."""
+    global _finalizer_pid
+    if _finalizer_pid == os.getpid():
+        return
+    _finalizer_pid = os.getpid()
+    import multiprocessing.util
+
+    multiprocessing.util.Finalize(None, _flush_all, exitpriority=10)
+
+
 _readers: dict[tuple[str, str], DirectReader] = {}
 _readers_lock = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    """A forked process (a DataLoader worker) starts with readers of its own: the
+    parent's may hold locks taken by its background thread at the moment of the fork."""
+    global _readers_lock
+    _readers.clear()
+    _readers_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def direct_reader(url: str, cache_dir: str | os.PathLike) -> DirectReader:

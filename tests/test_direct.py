@@ -260,3 +260,38 @@ def test_a_mapping_the_proxy_does_not_confirm_is_not_used(rig, caplog):
     assert len(lines) == 1 and "not" in lines[0] and "go through the proxy" in lines[0]
     good.close()
     bad.close()
+
+
+def _read_in_child(url: str, cache_dir: str, expected: bytes) -> None:
+    reader = direct_reader(url, cache_dir)
+    hits = reader.hits
+    with gopen(url, proxy_cache_dir=cache_dir) as f:
+        ok = f.read() == expected
+    if not ok or reader.hits != hits + 1:
+        raise SystemExit(3)  # multiprocessing then ends the process without atexit handlers
+
+
+def test_a_forked_worker_reads_directly_and_its_hits_reach_the_index(rig):
+    import multiprocessing
+
+    _, proxy = rig
+    cache(proxy, 1)
+    url = url_of(proxy, 1)
+    key = get_json(f"{proxy.url}/-/where?url=" + urllib.parse.quote(url))["key"]
+    read(url, proxy_cache_dir=proxy.cache_dir)  # this process's reader and its thread first
+    direct_reader(url, proxy.cache_dir).flush()
+
+    def hits() -> int:
+        with sqlite3.connect(proxy.cache_dir / ".shardcache.sqlite") as conn:
+            return conn.execute("SELECT hits FROM entries WHERE key = ?", (key,)).fetchone()[0]
+
+    before = hits()
+    ctx = multiprocessing.get_context("fork")
+    # a multiprocessing child ends without atexit handlers, as a DataLoader worker does
+    child = ctx.Process(
+        target=_read_in_child, args=(url, str(proxy.cache_dir), SHARDS["d/s-001.tar"])
+    )
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert hits() == before + 1
