@@ -52,7 +52,8 @@ warm-up GET, then ``sync`` and the page cache dropped when root) for ``--epochs`
 - streaming: ``StreamingDataset(remote=s3://..., local=fresh dir, batch_size=1,
   predownload=--predownload, shuffle=...)``, the same DataLoader and pacing;
 - litdata: LitData's ``StreamingDataset("s3://lit/ds", cache_dir=fresh dir,
-  storage_options={"endpoint_url": origin})`` over the same samples converted by
+  storage_options={"endpoint_url": origin}, max_cache_size="25GB")`` (the whole
+  dataset kept, as Streaming keeps it) over the same samples converted by
   ``litdata.optimize`` (chunks of at most ``--shard-mib``), from the same origin and so
   with the same per-connection and total limits; ``set_epoch`` before each epoch.
 
@@ -922,6 +923,9 @@ class Bench:
                     shuffle=scenario == "shuffled",
                     seed=a.seed,
                     storage_options={"endpoint_url": org.base},
+                    # its default budget is 75% of the free disk less 50 GB: on a smaller
+                    # disk it deletes each chunk once read, and every epoch is a cold one
+                    max_cache_size="25GB",
                     rate=self.rate,
                 )
             if variant == "plan3":
