@@ -1,5 +1,7 @@
-"""Training epochs through the proxy, with and without read plans, against webdataset
-straight from the origin and MosaicML Streaming, on an origin with limited bandwidth.
+"""Training epochs through the proxy (webdataset, with and without read plans, and
+shardcache's own ShardDataset, also with same-node direct reads), against webdataset
+straight from the origin, MosaicML Streaming and LitData, on an origin with limited
+bandwidth.
 
     make .venv-clients/.installed
     .venv-clients/bin/python bench/epoch.py                 # 48 x 32 MiB, 2 rounds (~20 min)
@@ -9,7 +11,7 @@ straight from the origin and MosaicML Streaming, on an origin with limited bandw
 Data: ``--shards`` WebDataset tar shards of about ``--shard-mib`` MiB, samples of a
 ``.jpg`` (random bytes, ``--sample-kb`` kB on average, +-25%) and a ``.cls``, and the
 same samples written once as MosaicML Streaming MDS shards (``MDSWriter``, size limit
-``--shard-mib``); both on tmpfs (``/dev/shm`` when it has room), removed at the end
+``--shard-mib``) and as LitData chunks (``litdata.optimize``); all on tmpfs (``/dev/shm`` when it has room), removed at the end
 (``--data DIR`` keeps and reuses them).
 
 Origin (a subprocess of this script): a threaded HTTP/1.1 file server, GET and HEAD,
@@ -42,13 +44,25 @@ warm-up GET, then ``sync`` and the page cache dropped when root) for ``--epochs`
   as one plan per worker before epoch 1 (the order is known up front);
 - unlimited (``same`` only): webdataset straight from a second origin without bandwidth
   limits: the readers' own floor (what curl, the tar reader and the pacing cost);
+- shardds: shardcache's own ``ShardDataset(urls, plan=True)`` through the proxy (each
+  worker registers its shards as a read plan, as plan does);
+- direct-read: as shardds, with same-node direct reads
+  (``ShardDataset(proxy_cache_dir=<the proxy's --cache-dir>)``): committed entries are
+  read from the proxy's cache directory, misses go through the proxy;
 - streaming: ``StreamingDataset(remote=s3://..., local=fresh dir, batch_size=1,
-  predownload=--predownload, shuffle=...)``, the same DataLoader and pacing.
+  predownload=--predownload, shuffle=...)``, the same DataLoader and pacing;
+- litdata: LitData's ``StreamingDataset("s3://lit/ds", cache_dir=fresh dir,
+  storage_options={"endpoint_url": origin}, max_cache_size="25GB")`` (the whole
+  dataset kept, as Streaming keeps it) over the same samples converted by
+  ``litdata.optimize`` (chunks of at most ``--shard-mib``), from the same origin and so
+  with the same per-connection and total limits; ``set_epoch`` before each epoch.
 
 Scenarios (``--scenarios``): ``same`` (the shard order of every epoch is the same),
 ``shuffled`` (the shard list is shuffled with a seed per epoch, each worker taking every
 other shard of it; Streaming shuffles with its own algorithm, ``shuffle=True``), ``half``
 (same order, ``--cache-size`` of the proxy = half the dataset; proxy, plan, plan2, plan3).
+The ``same`` and ``shuffled`` tables compare shardds and direct-read with LitData's epoch 1
+and with the fastest local-file loader's (Streaming or LitData) warm epochs.
 
 Rounds (``--rounds``): every scenario runs each of its variants once per round, the
 order reversed every other round; figures are medians over rounds.
@@ -114,21 +128,49 @@ from bench.proxy import (  # noqa: E402
 )
 
 SCENARIOS = ("same", "shuffled", "half")
-VARIANTS = ("direct", "proxy", "plan", "plan2", "plan3", "streaming", "unlimited")
+VARIANTS = (
+    "direct",
+    "proxy",
+    "plan",
+    "plan2",
+    "plan3",
+    "shardds",
+    "direct-read",
+    "streaming",
+    "litdata",
+    "unlimited",
+)
 SCENARIO_VARIANTS = {
-    "same": ("direct", "proxy", "plan", "streaming", "unlimited"),
-    "shuffled": ("direct", "proxy", "plan", "streaming"),
+    "same": (
+        "direct",
+        "proxy",
+        "plan",
+        "shardds",
+        "direct-read",
+        "streaming",
+        "litdata",
+        "unlimited",
+    ),
+    "shuffled": ("direct", "proxy", "plan", "shardds", "direct-read", "streaming", "litdata"),
     "half": ("proxy", "plan", "plan2", "plan3"),
 }
+# the variants that read through a proxy (a fresh one per run)
+PROXY_VARIANTS = ("proxy", "plan", "plan2", "plan3", "shardds", "direct-read")
+# the variants that read local files once a shard is downloaded (the warm-epoch reference)
+LOCAL_FILE_VARIANTS = ("streaming", "litdata")
 WORKERS = 2
 UNLIMITED = 1e5  # MB/s: the origin of the "unlimited" variant, not a limit in practice
 BUCKET = "mds"  # the MDS shards are at /mds/ds/... on the origin: s3://mds/ds
+LIT_BUCKET = "lit"  # LitData's chunks are at /lit/ds/... on the origin: s3://lit/ds
 TARGETS = {
     "plan_e1_vs_e2": 1.15,  # <=
     "plan_stall_frac": 0.05,  # <=
     "plan_e1_vs_streaming": 1.0,  # <=
     "half_hit_ratio": 0.45,  # >=
     "upstream_x": 1.0,  # <= per epoch, when the dataset fits
+    "plan_e1_vs_litdata": 1.0,  # <= ShardDataset through the proxy with a plan, epoch 1
+    "warm_vs_local": 1.0,  # <= epochs 2+ against the fastest local-file loader's
+    "client_wait_frac": 0.02,  # <= proxy client wait per reader / epoch-1 wall
 }
 
 
@@ -151,6 +193,9 @@ def make_data(data: Path, args: argparse.Namespace) -> dict:
         got = json.loads(manifest.read_text())
         if got.get("spec") == want:
             say(f"data: reusing {data}")
+            if "lit" not in got:  # kept from before the LitData variant
+                got.update(make_lit(data, args))
+                manifest.write_text(json.dumps(got, indent=1))
             return got
         raise SystemExit(f"{data} holds other data ({got.get('spec')}); remove it or pick another")
     from streaming import MDSWriter
@@ -211,6 +256,7 @@ def make_data(data: Path, args: argparse.Namespace) -> dict:
         "samples": samples,
         "sample_bytes": sample_bytes,
     }
+    out.update(make_lit(data, args))
     manifest.write_text(json.dumps(out, indent=1))
     say(
         f"data: {args.shards} tar shards, {out['tar_bytes'] / MIB:.0f} MiB, {samples} samples; "
@@ -218,6 +264,46 @@ def make_data(data: Path, args: argparse.Namespace) -> dict:
         f"written in {time.monotonic() - t0:.1f} s to {data}"
     )
     return out
+
+
+def lit_samples(path: str):
+    """The samples of one tar shard as LitData's ``optimize`` stores them (the key, the
+    ``.jpg`` bytes, the class as an int: the columns of the MDS copy)."""
+    with tarfile.open(path) as tf:
+        members = {m.name: m for m in tf.getmembers()}
+        for name in sorted(n for n in members if n.endswith(".jpg")):
+            key = name[: -len(".jpg")]
+            jpg = tf.extractfile(members[name]).read()  # type: ignore[union-attr]
+            cls = int(tf.extractfile(members[key + ".cls"]).read())  # type: ignore[union-attr]
+            yield {"key": key, "jpg": jpg, "cls": cls}
+
+
+def make_lit(data: Path, args: argparse.Namespace) -> dict:
+    """The tar shards' samples in LitData's optimize format under ``data/lit/ds`` (chunks
+    of at most ``--shard-mib``), as ``litdata.optimize`` writes them; returns the
+    manifest's ``lit`` part."""
+    import litdata
+
+    t0 = time.monotonic()
+    out_dir = data / LIT_BUCKET / "ds"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tars = sorted(str(p) for p in (data / "wds").glob("shard-*.tar"))
+    litdata.optimize(
+        fn=lit_samples,
+        inputs=tars,
+        output_dir=str(out_dir),
+        chunk_bytes=int(args.shard_mib * MIB),
+        num_workers=1,
+        reorder_files=False,
+        verbose=False,
+        start_method="fork",
+    )
+    files = {str(p.relative_to(out_dir)): p.stat().st_size for p in sorted(out_dir.iterdir())}
+    say(
+        f"data: {len(files) - 1} LitData chunks, {sum(files.values()) / MIB:.0f} MiB, "
+        f"written in {time.monotonic() - t0:.1f} s"
+    )
+    return {"lit": files, "lit_bytes": sum(files.values())}
 
 
 # ---------------------------------------------------------------------------------------
@@ -387,9 +473,14 @@ def paced(it, rate: float, wid: int, extra: dict | None = None):
             break
         t1 = time.monotonic()
         wait += t1 - t0
-        # webdataset: jpg and cls as bytes; Streaming: jpg bytes, cls an int
+        # webdataset: jpg and cls as bytes; Streaming: jpg bytes, cls an int; LitData: jpg
+        # a memoryview, cls an int
         n = sum(
-            len(v) if isinstance(v, bytes | bytearray) else len(str(v))
+            v.nbytes
+            if isinstance(v, memoryview)
+            else len(v)
+            if isinstance(v, bytes | bytearray)
+            else len(str(v))
             for k, v in s.items()
             if k in ("jpg", "cls")
         )
@@ -511,6 +602,68 @@ def _make_wds_dataset():
                     plan.close()
 
     return PacedWebDataset
+
+
+def _make_shard_dataset():
+    import torch.utils.data
+
+    class PacedShardDataset(torch.utils.data.IterableDataset):
+        """shardcache's own ``ShardDataset(urls, plan=True)`` (split by worker, each
+        worker registering its shards as a read plan), consumed at ``rate`` bytes/s per
+        worker; with ``proxy_cache_dir`` committed entries are read from the proxy's cache
+        directory (same-node direct reads)."""
+
+        def __init__(self, urls, rate, plan_name: str, lookahead=None, proxy_cache_dir=None):
+            self.urls = list(urls)
+            self.rate = rate
+            self.plan_name = plan_name
+            self.lookahead = lookahead
+            self.proxy_cache_dir = proxy_cache_dir
+
+        def __iter__(self):
+            from shardcache import ShardDataset
+
+            wid, _ = worker_id()
+            ds = ShardDataset(
+                self.urls,
+                plan=True,
+                plan_name=self.plan_name,
+                plan_lookahead=self.lookahead,
+                proxy_cache_dir=self.proxy_cache_dir,
+            )
+            yield from paced(iter(ds), self.rate, wid)
+
+    return PacedShardDataset
+
+
+_LIT_CLS = None
+
+
+def _make_lit_dataset():
+    global _LIT_CLS
+    if _LIT_CLS is None:
+        from litdata import StreamingDataset as LitStreamingDataset
+        from litdata.streaming import downloader as lit_downloader
+
+        # LitData's chunk downloads go through obstore (Rust object_store), which refuses
+        # an http:// endpoint unless its client options allow it; LitData passes no such
+        # option, so the bench's plain-HTTP origin is allowed here (an https endpoint
+        # needs nothing)
+        opts = getattr(lit_downloader, "_OBSTORE_CLIENT_OPTIONS", None)
+        if isinstance(opts, dict):
+            opts["allow_http"] = "true"
+
+        class PacedLit(LitStreamingDataset):
+            def __init__(self, *a, rate: float, **kw):
+                super().__init__(*a, **kw)
+                self.rate = rate
+
+            def __iter__(self):
+                wid, _ = worker_id()
+                yield from paced(super().__iter__(), self.rate, wid)
+
+        _LIT_CLS = PacedLit
+    return _LIT_CLS
 
 
 _STREAMING_CLS = None
@@ -672,6 +825,9 @@ class Bench:
                 "AWS_CONFIG_FILE": str(tmp / "no-aws-config"),
                 "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "no-aws-credentials"),
                 "AWS_EC2_METADATA_DISABLED": "true",
+                # LitData's chunk downloads (obstore, Rust object_store) refuse http://
+                # endpoints unless told
+                "AWS_ALLOW_HTTP": "true",
             }
         )
 
@@ -726,7 +882,7 @@ class Bench:
         out: dict = {"scenario": scenario, "variant": variant, "epochs": []}
         org = self.fast if variant == "unlimited" and self.fast else self.origin
         try:
-            if variant in ("proxy", "plan", "plan2", "plan3"):
+            if variant in PROXY_VARIANTS:
                 px = self.proxy(scenario == "half")
                 px.restart_cold(a.drop_caches, "/" + WARMUP)
                 if variant != "proxy":
@@ -761,6 +917,20 @@ class Bench:
                 # interleave: corrupt shards); each worker makes its own
                 for st in sds.streams:
                     st._downloader.clean_up()
+            if variant == "litdata":
+                self.n += 1
+                local = self.tmp / f"litdata{self.n}"
+                lds = _make_lit_dataset()(
+                    f"s3://{LIT_BUCKET}/ds",
+                    cache_dir=str(local),
+                    shuffle=scenario == "shuffled",
+                    seed=a.seed,
+                    storage_options={"endpoint_url": org.base},
+                    # its default budget is 75% of the free disk less 50 GB: on a smaller
+                    # disk it deletes each chunk once read, and every epoch is a cold one
+                    max_cache_size="25GB",
+                    rate=self.rate,
+                )
             if variant == "plan3":
                 urls_all = [
                     [f"{base}/wds/{n}" for n in self.order(scenario, e)][w::WORKERS]
@@ -783,6 +953,18 @@ class Bench:
             for e in range(a.epochs):
                 if variant == "streaming":
                     ds = sds
+                elif variant == "litdata":
+                    ds = lds
+                    lds.set_epoch(e + 1)
+                elif variant in ("shardds", "direct-read"):
+                    assert px is not None
+                    ds = _make_shard_dataset()(
+                        [f"{base}/wds/{n}" for n in self.order(scenario, e)],
+                        self.rate,
+                        plan_name=f"{scenario}/{variant}/epoch-{e + 1}",
+                        lookahead=plan_lookahead(a.lookahead),
+                        proxy_cache_dir=str(px.tmp / "cache") if variant == "direct-read" else None,
+                    )
                 else:
                     urls = [f"{base}/wds/{n}" for n in self.order(scenario, e)]
                     ds = _make_wds_dataset()(
@@ -875,6 +1057,9 @@ class Bench:
                     )
                 shutil.rmtree(px.tmp / "cache", ignore_errors=True)
             if local is not None:
+                if variant == "litdata":
+                    with contextlib.suppress(Exception):
+                        del lds
                 if variant == "streaming":
                     with contextlib.suppress(Exception):
                         del sds
@@ -1119,6 +1304,57 @@ def report(res: dict, args, dataset_bytes: int) -> list[str]:
                     "",
                 )
             )
+    for sc in ("same", "shuffled"):
+        lit1 = ep(sc, "litdata", 0)
+        # the fastest local-file loader's warm epochs (Streaming or LitData, epochs 2+)
+        local_warm = [
+            (v, x["wall"])
+            for v in LOCAL_FILE_VARIANTS
+            for x in (((res.get(sc) or {}).get(v) or {}).get("epochs") or [])[1:]
+            if x
+        ]
+        best = min(local_warm, key=lambda vw: vw[1], default=None)
+        for v in ("shardds", "direct-read", "plan"):
+            e1 = ep(sc, v, 0)
+            if e1 is None:
+                continue
+            if lit1 and v != "plan":
+                t.append(
+                    target_row(
+                        f"{sc}: {v} epoch 1 / LitData epoch 1 wall",
+                        f"{e1['wall']:.2f} s",
+                        f"{lit1['wall']:.2f} s",
+                        e1["wall"] / lit1["wall"],
+                        "<=",
+                        T["plan_e1_vs_litdata"],
+                    )
+                )
+            warm = [x for x in res[sc][v]["epochs"][1:] if x]
+            if best and warm:
+                w = max(x["wall"] for x in warm)
+                t.append(
+                    target_row(
+                        f"{sc}: {v} slowest warm epoch / fastest local-file loader's "
+                        f"({best[0]}) warm epoch wall",
+                        f"{w:.2f} s",
+                        f"{best[1]:.2f} s",
+                        w / best[1],
+                        "<=",
+                        T["warm_vs_local"],
+                    )
+                )
+            if v != "plan" and e1["client_wait"] is not None:
+                per_reader = e1["client_wait"] / WORKERS
+                t.append(
+                    target_row(
+                        f"{sc}: {v} proxy client wait per reader / epoch 1 wall",
+                        f"{per_reader:.2f} s",
+                        f"{e1['wall']:.2f} s",
+                        per_reader / e1["wall"],
+                        "<=",
+                        T["client_wait_frac"],
+                    )
+                )
     floor = ep("same", "unlimited", 1) or ep("same", "unlimited", 0)
     if floor:
         t.append(
@@ -1170,8 +1406,8 @@ def parse_args(argv):
         "--variants",
         type=lambda t: parse_list(t, VARIANTS),
         default=list(VARIANTS),
-        help="direct,proxy,plan,plan2,plan3,streaming (default all; each scenario runs those of "
-        "its own that are listed)",
+        help=f"{','.join(VARIANTS)} (default all; each scenario runs those of its own that "
+        "are listed)",
     )
     p.add_argument("--conn-mbs", type=float, default=50, help="origin MB/s per connection (50)")
     p.add_argument("--total-mbs", type=float, default=250, help="origin MB/s in all (250)")
@@ -1242,7 +1478,7 @@ def main(argv=None) -> int:
     try:
         with interruptible() as interrupted, procs:
             manifest = make_data(data, args)
-            res["data"] = {k: v for k, v in manifest.items() if k not in ("tar", "mds")}
+            res["data"] = {k: v for k, v in manifest.items() if k not in ("tar", "mds", "lit")}
             b = Bench(args, tmp, data, manifest, procs)
             ds_mib = manifest["tar_bytes"] / MIB
             say(

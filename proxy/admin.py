@@ -269,6 +269,13 @@ async def _where(request: web.Request) -> web.Response:
     body: dict[str, Any] = {
         "upstreams": [_without_userinfo(str(u)) for u in s.upstreams],
         "allow_hosts": list(s.allow_hosts),
+        # what a reader on this node needs to open committed entries straight from the
+        # cache directory (shardcache.direct): whether an entry may be used without asking
+        # the upstream ("never": immutable objects), and whether keys drop signatures
+        "revalidate": (
+            "never" if s.revalidate is None else "always" if s.revalidate == 0 else s.revalidate
+        ),
+        "strip_signatures": request.app[STORE].key_url is not None,
     }
     url = request.query.get("url")
     if url is None:

@@ -96,6 +96,12 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
     ones it reads last. Such a plan outlives an iteration that reads to its end (it still
     holds what comes next) and is replaced by the next iteration's; after the last epoch
     it ends ``--plan-ttl`` seconds after its last request, or at :meth:`end_plans`.
+
+    Same-node direct reads: ``proxy_cache_dir`` (default: the ``SHARDCACHE_PROXY_CACHE_DIR``
+    environment variable, read here) names the proxy's ``--cache-dir`` as this process
+    sees it (a volume the sidecar and the trainer share). Committed entries are then read
+    straight from it, without HTTP; misses still go through the proxy
+    (:mod:`shardcache.direct`).
     """
 
     def __init__(
@@ -117,6 +123,7 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
         plan_name: str | None = None,
         plan_lookahead: int | str | None = None,
         plan_epochs: int = 1,
+        proxy_cache_dir: str | os.PathLike | None = None,
     ) -> None:
         super().__init__()
         from shardcache.urls import expand_urls
@@ -144,6 +151,11 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
             raise ValueError(f"ShardDataset: plan_epochs must be an int >= 1, not {plan_epochs!r}")
         self.plan_epochs = plan_epochs
         self.plan_required = plan is True
+        if proxy_cache_dir is None:
+            from shardcache.direct import PROXY_CACHE_DIR_ENV
+
+            proxy_cache_dir = os.environ.get(PROXY_CACHE_DIR_ENV) or None
+        self.proxy_cache_dir = proxy_cache_dir
         # decided once, here: DataLoader workers get a copy of this object
         self.plan_proxy: str | None = None if plan is False else _plan_proxy(self.urls, plan)
         # the plans' name when plan_name is not given: the process id, and a token of this
@@ -199,6 +211,8 @@ class ShardDataset(_Base):  # type: ignore[misc,valid-type]
         from shardcache.tariterators import group_by_keys, tar_file_expander
 
         gopen_kw: dict[str, Any] = {"headers": headers} if headers else {}
+        if self.proxy_cache_dir is not None:
+            gopen_kw["proxy_cache_dir"] = self.proxy_cache_dir
         shards = cache_shards(
             [{"url": url} for url in urls],
             cache_dir=self.cache_dir,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import http.client
 import io
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -254,6 +255,7 @@ def gopen(
     *,
     timeout: float = DEFAULT_TIMEOUT,
     headers: dict[str, str] | None = None,
+    proxy_cache_dir: str | os.PathLike | None = None,
 ) -> IO[bytes]:
     """Open ``url`` for reading (``"rb"``) or writing (``"wb"``) and return a byte stream.
 
@@ -261,6 +263,10 @@ def gopen(
     - ``http://``, ``https://``: reading only, streamed; ``timeout`` bounds the connection
       and every read (seconds), ``headers`` adds request headers; an error status raises
       :class:`HTTPStatusError`, a body shorter than Content-Length raises on read;
+      ``proxy_cache_dir``, for a URL of a shardcache proxy whose ``--cache-dir`` this
+      process can see (same node, shared volume): a committed entry is opened straight
+      from that directory, anything else goes through the proxy
+      (:mod:`shardcache.direct`);
     - ``pipe:CMD``: the output (``"rb"``) or input (``"wb"``) of the shell command CMD;
       a non-zero exit raises (see :class:`Pipe`); ``timeout`` bounds the wait at close;
     - ``s3://bucket/key``: reading only, directly with boto3 (the ``s3`` extra:
@@ -289,6 +295,12 @@ def gopen(
     if scheme in ("http", "https"):
         if mode != "rb":
             raise GopenError(url, "HTTP URLs can only be opened for reading ('rb')")
+        if proxy_cache_dir is not None:
+            from shardcache.direct import direct_reader
+
+            hit = direct_reader(url, proxy_cache_dir).open(url, headers)
+            if hit is not None:
+                return hit
         return _open_http(url, bufsize, timeout, headers)
     if scheme == "pipe":
         pipe = Pipe(url, url[5:], mode, bufsize, timeout)

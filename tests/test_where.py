@@ -65,6 +65,9 @@ def test_where_maps_every_url_form_the_same_way(rig):
     assert where(proxy) == {
         "upstreams": [f"ds={origin.url}/d"],
         "allow_hosts": [f"127.0.0.1:{origin.port}"],
+        # what same-node direct reads need (shardcache.direct)
+        "revalidate": "never",
+        "strip_signatures": True,  # the default "auto" on a loopback proxy
     }
     upstream_url = f"{origin.url}/d/s-000.tar"
     answers = [
