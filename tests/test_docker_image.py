@@ -105,6 +105,25 @@ def ensure_base(tmp: Path) -> str:
     return "stand-in"
 
 
+# what pip and apt say when the network, not the Dockerfile, is what fails
+_NETWORK_FAILURES = (
+    "Temporary failure in name resolution",
+    "Name or service not known",
+    "CERTIFICATE_VERIFY_FAILED",
+    "ProxyError",
+    "Connection refused",
+    "Network is unreachable",
+    "Read timed out",
+    "Failed to establish a new connection",
+)
+
+
+def _unreachable(stderr: str) -> bool:
+    """Whether a failed build failed for want of the package index (skip), not because
+    of the Dockerfile (fail)."""
+    return any(s in stderr for s in _NETWORK_FAILURES)
+
+
 def health(container: str) -> str:
     return docker("inspect", "-f", "{{.State.Health.Status}}", container).stdout.strip()
 
@@ -131,6 +150,8 @@ def test_image_builds_serves_turns_healthy_stops_cleanly_and_keeps_its_volume(tm
             "build", "--network", "host", "-f", str(DOCKERFILE), "-t", tag, str(REPO),
             timeout=1200, check=False,
         )  # fmt: skip
+        if built.returncode != 0 and _unreachable(built.stderr):
+            pytest.skip(f"the build cannot reach the package index: {built.stderr[-600:]}")
         assert built.returncode == 0, f"build on the {how} base failed:\n{built.stderr[-3000:]}"
 
         # the page's files are in the image, exactly as in the sources
