@@ -354,13 +354,18 @@ async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse |
     return await _answer(request, body.meta, XCache.HIT, entry.size, body, age)
 
 
-async def _serve_download(request: web.Request, dl: Download, cache: str) -> web.StreamResponse:
+async def _await_headers(request: web.Request, dl: Download) -> None:
+    """Wait (timed as the client's wait) until ``dl`` has its upstream's headers."""
     if dl.state is State.OPENING:
         since = time.monotonic()
         try:
             await dl.wait_headers()
         finally:
             _waited(request, since)
+
+
+async def _serve_download(request: web.Request, dl: Download, cache: str) -> web.StreamResponse:
+    await _await_headers(request, dl)
     if dl.state is State.BYPASS:
         return await _serve_bypass(request, dl.url, dl)
     return await _answer(request, dl.meta, cache, dl.known_size, _DownloadBody(dl))
@@ -440,12 +445,7 @@ async def _serve_cold(request: web.Request, url: str) -> web.StreamResponse | No
             return None  # running already, cached, or no writes: joined as usual
         try:
             dl.prefer(start)
-            if dl.state is State.OPENING:
-                since = time.monotonic()
-                try:
-                    await dl.wait_headers()
-                finally:
-                    _waited(request, since)
+            await _await_headers(request, dl)
             if dl.state is not State.BYPASS:
                 return await _serve_download(request, dl, XCache.MISS)
             # not cached (too big, no-store...): nothing to fetch once for, and the
