@@ -103,7 +103,7 @@ class DBCache(_DBFile):
     def __init__(
         self,
         dbname: str | os.PathLike[str] | None,
-        size: int | None,
+        size: int | None = None,
         source: Iterable[Any] | None = None,
         shuffle: bool = False,
         verbose: bool = True,

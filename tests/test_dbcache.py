@@ -572,3 +572,15 @@ def test_as_a_stage_of_a_webdataset_pipeline(tmp_path):
     os.unlink(url)
     reread = wds.DataPipeline(DBCache(tmp_path / "v.db", 10), wds.map(lambda s: int(s["cls"])))
     assert list(reread) == list(range(10))
+
+
+def test_an_existing_file_opens_by_its_name_alone(tmp_path):
+    """``DBCache(path)``: the size the file records, without ``size=None``; a file that
+    does not exist yet needs a size, and the error says so."""
+    path = str(tmp_path / "v.sqlite")
+    with pytest.raises(DBCacheError, match="give a size"):
+        DBCache(path)
+    first = list(DBCache(path, size=3, source=({"__key__": str(i), "x": b"a"} for i in range(5))))
+    again = DBCache(path)
+    assert again.size == 3
+    assert [s["__key__"] for s in again] == [s["__key__"] for s in first]
