@@ -21,12 +21,14 @@ the object are read, with ``shardcache_upstream_extra_bytes_total{reason="cold_r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import os
 import re
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,40 +63,43 @@ def request(port: int, path: str, method: str = "GET", headers: dict | None = No
     return resp.status, dict(resp.getheaders()), body, ttfb
 
 
-def run(data: bytes, transport: str, mode: str, rng: tuple[int, int | None], rate: float):
+@contextlib.contextmanager
+def cold_object(
+    data: bytes, rate: float, *proxy_args: str
+) -> Iterator[tuple[BadOrigin, ProxyProcess]]:
+    """The test origin serving ``data`` as ``obj.tar`` (strong ETag, ``rate`` bytes/s per
+    connection, 20 ms before each answer) and a proxy on an empty cache in front of it,
+    started with ``proxy_args``: (origin, proxy), both stopped on leaving."""
     with BadOrigin() as origin, tempfile.TemporaryDirectory() as tmp:
         origin.add(
             "obj.tar", versions=[Version(data, etag='"v1"')], rate=rate, first_byte_delay=0.02
         )
         p = ProxyProcess(
-            Path(tmp) / "cache",
-            "--upstream",
-            origin.url,
-            "--min-free",
-            "0",
-            "--cache-size",
-            "1G",
-            "--cold-range",
-            mode,
-            *TRANSPORTS[transport],
+            Path(tmp) / "cache", "--upstream", origin.url, "--min-free", "0", *proxy_args
         ).start()
         try:
-            a, b = rng
-            header = f"bytes={a}-" + ("" if b is None else str(b))
-            status, _, body, ttfb = request(p.port, "/obj.tar", headers={"Range": header})
-            assert status == 206 and body == data[a : None if b is None else b + 1], status
-            deadline = time.monotonic() + 120
-            while request(p.port, "/obj.tar", "HEAD")[1].get("X-Cache") != "HIT":
-                if time.monotonic() > deadline:
-                    raise RuntimeError("never cached")
-                time.sleep(0.05)
-            gets = origin.log("obj.tar", "GET")
-            metrics = request(p.port, "/metrics")[2].decode()
-            m = re.search(r'upstream_extra_bytes_total\{reason="cold_range"\} (\S+)', metrics)
-            extra = int(float(m.group(1))) if m else 0
-            return ttfb, len(gets), sum(g.sent for g in gets), extra, len(body)
+            yield origin, p
         finally:
             p.stop(timeout=10)
+
+
+def run(data: bytes, transport: str, mode: str, rng: tuple[int, int | None], rate: float):
+    args = ("--cache-size", "1G", "--cold-range", mode, *TRANSPORTS[transport])
+    with cold_object(data, rate, *args) as (origin, p):
+        a, b = rng
+        header = f"bytes={a}-" + ("" if b is None else str(b))
+        status, _, body, ttfb = request(p.port, "/obj.tar", headers={"Range": header})
+        assert status == 206 and body == data[a : None if b is None else b + 1], status
+        deadline = time.monotonic() + 120
+        while request(p.port, "/obj.tar", "HEAD")[1].get("X-Cache") != "HIT":
+            if time.monotonic() > deadline:
+                raise RuntimeError("never cached")
+            time.sleep(0.05)
+        gets = origin.log("obj.tar", "GET")
+        metrics = request(p.port, "/metrics")[2].decode()
+        m = re.search(r'upstream_extra_bytes_total\{reason="cold_range"\} (\S+)', metrics)
+        extra = int(float(m.group(1))) if m else 0
+        return ttfb, len(gets), sum(g.sent for g in gets), extra, len(body)
 
 
 def main() -> None:

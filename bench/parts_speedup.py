@@ -22,14 +22,12 @@ import http.client
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from badorigin import BadOrigin, Version  # noqa: E402
-from proxy_helpers import ProxyProcess  # noqa: E402
+sys.path.insert(0, str(ROOT))
+from bench.cold_range import cold_object  # noqa: E402
 
 MiB = 1 << 20
 VARIANTS = {
@@ -40,36 +38,20 @@ VARIANTS = {
 
 def cold_get(data: bytes, variant: str, rate: float) -> tuple[float, int, int]:
     """Wall seconds of one cold whole-object GET, the origin's GETs and body bytes."""
-    with BadOrigin() as origin, tempfile.TemporaryDirectory() as tmp:
-        origin.add(
-            "obj.tar", versions=[Version(data, etag='"v1"')], rate=rate, first_byte_delay=0.02
-        )
-        p = ProxyProcess(
-            Path(tmp) / "cache",
-            "--upstream",
-            origin.url,
-            "--min-free",
-            "0",
-            "--cache-size",
-            "4G",
-            *VARIANTS[variant],
-        ).start()
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", p.port, timeout=300)
-            t0 = time.monotonic()
-            conn.request("GET", "/obj.tar")
-            resp = conn.getresponse()
-            digest = hashlib.sha256()
-            while piece := resp.read1(1 << 20):
-                digest.update(piece)
-            wall = time.monotonic() - t0
-            conn.close()
-            if resp.status != 200 or digest.digest() != hashlib.sha256(data).digest():
-                raise RuntimeError(f"{variant}: wrong answer (HTTP {resp.status})")
-            gets = origin.log("obj.tar", "GET")
-            return wall, len(gets), sum(g.sent for g in gets)
-        finally:
-            p.stop(timeout=10)
+    with cold_object(data, rate, "--cache-size", "4G", *VARIANTS[variant]) as (origin, p):
+        conn = http.client.HTTPConnection("127.0.0.1", p.port, timeout=300)
+        t0 = time.monotonic()
+        conn.request("GET", "/obj.tar")
+        resp = conn.getresponse()
+        digest = hashlib.sha256()
+        while piece := resp.read1(1 << 20):
+            digest.update(piece)
+        wall = time.monotonic() - t0
+        conn.close()
+        if resp.status != 200 or digest.digest() != hashlib.sha256(data).digest():
+            raise RuntimeError(f"{variant}: wrong answer (HTTP {resp.status})")
+        gets = origin.log("obj.tar", "GET")
+        return wall, len(gets), sum(g.sent for g in gets)
 
 
 def main() -> None:
