@@ -675,3 +675,45 @@ def test_a_reservation_left_by_a_predecessor_with_this_pid_is_released(tmp_path)
     store.abort(live)
     reopened.close()
     store.close()
+
+
+def test_a_crash_while_an_entry_is_replaced_never_leaves_new_bytes_under_the_old_row(tmp_path):
+    """A process killed right after moving a new version into place, before its index
+    transaction commits, must not leave the new file under the old version's row (a
+    same-size file would then be served under the old ETag and digests): after the
+    restart the URL is either a miss or the new version with its own row."""
+    url = "http://h/s.tar"
+    store = Store(tmp_path, cache_size=1 << 20)
+    partial = store.begin(url, 5)
+    partial.path.write_bytes(b"old--")
+    store.commit(partial, 5, etag='"old"')
+    store.close()
+    code = (
+        "import os, sys\n"
+        "from shardcache.store import Store\n"
+        "store = Store(sys.argv[1], cache_size=1 << 20)\n"
+        "p = store.begin('http://h/s.tar', 5)\n"
+        "p.path.write_bytes(b'new--')\n"
+        "real = os.replace\n"
+        "def replace_then_die(src, dst):\n"
+        "    real(src, dst)\n"
+        "    if str(dst).endswith(p.key):\n"
+        "        os._exit(9)  # killed between the rename into place and the COMMIT\n"
+        "os.replace = replace_then_die\n"
+        "store.commit(p, 5, etag='\"new\"')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], timeout=60)
+    assert done.returncode == 9
+    again = Store(tmp_path, cache_size=1 << 20)
+    try:
+        hit = again.open_hit(url)
+        if hit is not None:
+            entry, f = hit
+            with f:
+                body = f.read()
+            assert (entry.etag, body) in ((('"new"', b"new--")), ('"old"', b"old--")), (
+                entry.etag,
+                body,
+            )
+    finally:
+        again.close()

@@ -175,6 +175,17 @@ class Downloads(Space):
                 f"{partial.path}: cannot flush download: {exc}"
             ) from exc
         target = self.cache_dir / partial.key
+        # A new version of a cached URL: the old entry goes first, in a transaction of its
+        # own. Renaming the new file over the old one inside the transaction that updates
+        # the row would leave, after a crash between the rename and the commit, the new
+        # bytes under the old row (its ETag and digests); this way a crash leaves a miss.
+        if self._mem.get(partial.key) is not None or target.exists():
+            try:
+                self._remove_key(partial.key)
+            except CacheError:
+                with contextlib.suppress(CacheError):
+                    self.abort(partial)
+                raise
         now = time.time()
         # the row as inserted, in ENTRY_COLS order: created, last access and validated now
         row = (partial.key, self.recorded_url(partial.url), size, etag, last_modified)

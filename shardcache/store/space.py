@@ -322,7 +322,11 @@ class Space(Access):
 
     def remove(self, url: str) -> bool:
         """Purge the entry of ``url``. True if there was one."""
-        key = self.key(url)
+        return self._remove_key(self.key(url))
+
+    def _remove_key(self, key: str) -> bool:
+        """Purge the entry of ``key``: its row and its file (moved aside under the write
+        lock, unlinked once the transaction commits). True if there was one."""
         with self._tx() as conn:
             row = conn.execute(f"SELECT {ENTRY_COLS} FROM entries WHERE key = ?", (key,)).fetchone()
             if row is None:
