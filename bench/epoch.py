@@ -653,17 +653,25 @@ def _make_lit_dataset():
         if isinstance(opts, dict):
             opts["allow_http"] = "true"
 
-        class PacedLit(LitStreamingDataset):
-            def __init__(self, *a, rate: float, **kw):
-                super().__init__(*a, **kw)
-                self.rate = rate
-
-            def __iter__(self):
-                wid, _ = worker_id()
-                yield from paced(super().__iter__(), self.rate, wid)
-
-        _LIT_CLS = PacedLit
+        _LIT_CLS = _paced_class(LitStreamingDataset)
     return _LIT_CLS
+
+
+def _paced_class(base: type) -> type:
+    """``base`` (a streaming dataset class) whose iteration is paced at ``rate`` bytes/s
+    per worker, as the bench's readers consume."""
+
+    class Paced(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *a, rate: float, **kw):
+            super().__init__(*a, **kw)
+            self.rate = rate
+
+        def __iter__(self):
+            wid, _ = worker_id()
+            yield from paced(super().__iter__(), self.rate, wid)
+
+    Paced.__name__ = Paced.__qualname__ = "Paced" + base.__name__
+    return Paced
 
 
 _STREAMING_CLS = None
@@ -674,16 +682,7 @@ def _make_streaming_dataset():
     if _STREAMING_CLS is None:
         from streaming import StreamingDataset
 
-        class PacedStreaming(StreamingDataset):
-            def __init__(self, *a, rate: float, **kw):
-                super().__init__(*a, **kw)
-                self.rate = rate
-
-            def __iter__(self):
-                wid, _ = worker_id()
-                yield from paced(super().__iter__(), self.rate, wid)
-
-        _STREAMING_CLS = PacedStreaming
+        _STREAMING_CLS = _paced_class(StreamingDataset)
     return _STREAMING_CLS
 
 
