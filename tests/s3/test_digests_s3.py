@@ -69,6 +69,23 @@ def test_seaweedfs_digests_are_checked_and_recorded(seaweed, boto, tmp_path, mod
         assert recorded.get("sha256") == hashlib.sha256(data).hexdigest(), recorded
 
 
+def bad_s3_proxy(tmp_path: Path, origin: BadOrigin, *args: str) -> ProxyProcess:
+    """The proxy in front of the misbehaving origin speaking S3, as bucket ``bkt`` under
+    the front bucket ``shards``, started with ``args``."""
+    return ProxyProcess(
+        tmp_path / "cache",
+        "--upstream",
+        "shards=s3://bkt/pre",
+        "--s3-endpoint-url",
+        origin.url,
+        "--s3-region",
+        "us-east-1",
+        *COMMON,
+        *args,
+        env=aws_env(None, None, tmp_path),
+    ).start()
+
+
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
 @pytest.mark.parametrize("mode", list(MODES))
 def test_s3_etag_mismatch_is_never_committed(tmp_path, mode, transport):
@@ -80,19 +97,7 @@ def test_s3_etag_mismatch_is_never_committed(tmp_path, mode, transport):
             versions=[Version(data, etag=etag, last_modified=LM_OLD)],
             flip_at=700 * 1024 + 3,
         )
-        p = ProxyProcess(
-            tmp_path / "cache",
-            "--upstream",
-            "shards=s3://bkt/pre",
-            "--s3-endpoint-url",
-            origin.url,
-            "--s3-region",
-            "us-east-1",
-            *COMMON,
-            *MODES[mode],
-            *TRANSPORTS[transport],
-            env=aws_env(None, None, tmp_path),
-        ).start()
+        p = bad_s3_proxy(tmp_path, origin, *MODES[mode], *TRANSPORTS[transport])
         try:
             r = fetch(p.port, "/shards/obj.tar")
             assert not check_rule(r, [data], p.log_text()[-3000:]), r.describe()
@@ -113,18 +118,7 @@ def test_s3_checksum_of_a_whole_answer_is_checked(tmp_path):
             headers={"x-amz-checksum-sha256": sha, "x-amz-checksum-type": "FULL_OBJECT"},
             flip_at=5,
         )
-        p = ProxyProcess(
-            tmp_path / "cache",
-            "--upstream",
-            "shards=s3://bkt/pre",
-            "--s3-endpoint-url",
-            origin.url,
-            "--s3-region",
-            "us-east-1",
-            *COMMON,
-            *MODES["stream"],
-            env=aws_env(None, None, tmp_path),
-        ).start()
+        p = bad_s3_proxy(tmp_path, origin, *MODES["stream"])
         try:
             r = fetch(p.port, "/shards/obj.tar")
             assert not check_rule(r, [data], p.log_text()[-3000:]), r.describe()
