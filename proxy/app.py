@@ -114,20 +114,14 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
             endpoint_url=settings.s3_endpoint_url,
             region=settings.s3_region,
             profile=settings.s3_profile,
-            connect_timeout=settings.connect_timeout,
-            read_timeout=settings.read_timeout,
-            max_connections=max(64, 2 * settings.parallel),
-            retries=settings.retries,
-            backoff=settings.retry_backoff,
+            options=settings.upstream_options,
         )
     cloud = None
     if any(u.base.startswith(("gs://", "az://")) for u in settings.upstreams):
         cloud = CloudUpstream(
             gcs_endpoint_url=settings.gcs_endpoint_url,
             azure_endpoint_url=settings.azure_endpoint_url,
-            connect_timeout=settings.connect_timeout,
-            read_timeout=settings.read_timeout,
-            max_connections=max(64, 2 * settings.parallel),
+            options=settings.upstream_options,
         )
     front = S3Front(
         buckets={u.name: u.base for u in settings.upstreams if u.name},

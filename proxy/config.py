@@ -23,7 +23,7 @@ import logging
 import os
 import ssl
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from proxy.settings_table import CONFIG_FILE, DEFAULTS, SETTINGS
 from proxy.settings_table import EVICTION_POLICIES as EVICTION_POLICIES
 from proxy.settings_table import LOG_LEVELS as LOG_LEVELS
 from proxy.settings_table import in_groups as in_groups
+from proxy.upstream.options import UpstreamOptions
 from shardcache.compat import values_may_look_negative
 from shardcache.errors import ConfigError
 
@@ -112,6 +113,11 @@ class Settings:
     revalidate: float | str | None = DEFAULTS["revalidate"]
     store_probe_interval: float = DEFAULTS["store_probe_interval"]
     workers: int = DEFAULTS["workers"]
+
+    @property
+    def upstream_options(self) -> UpstreamOptions:
+        """The upstream layer's tunables, as these settings give them (same names)."""
+        return UpstreamOptions(**{f.name: getattr(self, f.name) for f in fields(UpstreamOptions)})
 
 
 # --------------------------------------------------------------------------- reading

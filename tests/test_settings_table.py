@@ -21,7 +21,9 @@ from proxy.config import (
     parse_settings,
 )
 from proxy.policy import parse_size
+from proxy.upstream.cloud import CloudUpstream
 from proxy.upstream.fetcher import Fetcher
+from proxy.upstream.options import DEFAULT_OPTIONS, RetryPolicy, UpstreamOptions
 from proxy.upstream.s3 import S3Upstream
 from shardcache.errors import ConfigError
 
@@ -87,9 +89,35 @@ def test_the_upstream_clients_take_their_defaults_from_the_table():
 
     assert parts.DEFAULT_PART_SIZE is DEFAULTS["part_size"]
     assert parts.DEFAULT_PARALLEL is DEFAULTS["parallel"]
-    s3 = inspect.signature(S3Upstream).parameters
-    for name in ("connect_timeout", "read_timeout"):
-        assert s3[name].default is DEFAULTS[name], name
+    for client in (S3Upstream, CloudUpstream):
+        assert inspect.signature(client).parameters["options"].default is DEFAULT_OPTIONS
+    for f in dataclasses.fields(UpstreamOptions):
+        assert getattr(DEFAULT_OPTIONS, f.name) is DEFAULTS[f.name], f.name
+
+
+def test_the_s3_and_cloud_clients_get_the_daemons_upstream_settings(tmp_path):
+    """One set of timeouts, retries and pool size for every backend: gs:// and az:// read
+    ``--retries`` as s3:// does (they kept the built-in 3 before)."""
+    from proxy.app import make_app
+    from proxy.context import CLOUD_CLIENT, S3_CLIENT
+
+    s = parse_settings(
+        [
+            "--cache-dir", str(tmp_path), "--upstream", "a=s3://bkt/p",
+            "--upstream", "g=gs://bkt/p", "--retries", "7", "--read-timeout", "12",
+            "--connect-timeout", "4", "--parallel", "40",
+        ],
+        {},
+    )  # fmt: skip
+    wanted = UpstreamOptions(
+        connect_timeout=4, read_timeout=12, retries=7, parallel=40, part_size=s.part_size
+    )
+    assert s.upstream_options == wanted
+    app = make_app(dataclasses.replace(s, retry_backoff=0.25))
+    for client in (app[S3_CLIENT], app[CLOUD_CLIENT]):
+        assert client.options == dataclasses.replace(wanted, retry_backoff=0.25)
+        assert client.retry == RetryPolicy(7, 0.25)
+        assert client.options.connections == 80
 
 
 @pytest.mark.parametrize(

@@ -50,8 +50,7 @@ from proxy.upstream.cloudresponse import (
 )
 from proxy.upstream.cloudurl import CloudLocation, parse_cloud_url
 from proxy.upstream.errors import cloud_error, cloud_status_error
-from proxy.upstream.options import DEFAULT_OPTIONS as DEFAULTS
-from proxy.upstream.options import RetryPolicy
+from proxy.upstream.options import DEFAULT_OPTIONS, UpstreamOptions
 from proxy.upstream.stream import retrying
 from shardcache.errors import (
     ObjectChanged,
@@ -92,8 +91,9 @@ class CloudUpstream:
     ``azure_endpoint_url`` replaces ``https://ACCOUNT.blob.core.windows.net`` and may
     contain ``{account}`` (``http://127.0.0.1:10000/{account}`` for Azurite). One
     obstore store per bucket or container, made on first use. Throttling and 5xx are
-    retried with the one backoff (:func:`proxy.upstream.stream.retrying`), obstore's own
-    retries are off.
+    retried with the one backoff (:func:`proxy.upstream.stream.retrying`) as ``options``
+    says, obstore's own retries are off; timeouts and the pool's size come from
+    ``options`` too.
     """
 
     def __init__(
@@ -101,29 +101,22 @@ class CloudUpstream:
         *,
         gcs_endpoint_url: str | None = None,
         azure_endpoint_url: str | None = None,
-        connect_timeout: float = DEFAULTS.connect_timeout,
-        read_timeout: float = DEFAULTS.read_timeout,
-        max_connections: int = 64,
-        retries: int = DEFAULTS.retries,
-        backoff: float = DEFAULTS.retry_backoff,
+        options: UpstreamOptions = DEFAULT_OPTIONS,
     ) -> None:
         self.gcs_endpoint_url = gcs_endpoint_url
         self.azure_endpoint_url = azure_endpoint_url
-        self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
-        self.max_connections = max_connections
-        self.retries = retries
-        self.backoff = backoff
+        self.options = options
+        self.retry = options.retry
         self._stores: dict[str, Any] = {}
         self._presigned: dict[str, tuple[float, str | None]] = {}
 
     def _client_options(self, endpoint: str | None) -> dict[str, Any]:
         return {
-            "connect_timeout": timedelta(seconds=self.connect_timeout),
-            "read_timeout": timedelta(seconds=self.read_timeout),
+            "connect_timeout": timedelta(seconds=self.options.connect_timeout),
+            "read_timeout": timedelta(seconds=self.options.read_timeout),
             # obstore's default (30 s) would bound a whole download: a shard takes longer
             "timeout": timedelta(days=1),
-            "pool_max_idle_per_host": str(self.max_connections),
+            "pool_max_idle_per_host": str(self.options.connections),
             "allow_http": bool(endpoint and endpoint.startswith("http://")),
         }
 
@@ -180,7 +173,7 @@ class CloudUpstream:
             except Exception as exc:
                 raise cloud_error(url, scheme, exc, body=False) from exc
 
-        return await retrying(once, url, RetryPolicy(self.retries, self.backoff))
+        return await retrying(once, url, self.retry)
 
     async def head(
         self, url: str, *, if_match: str | None = None, quoted: bool = False

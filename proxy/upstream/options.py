@@ -43,5 +43,16 @@ class UpstreamOptions:
     http_parts: bool = False  # http(s) objects in parts too (s3:// always are)
     http_transport: str = "threads"  # "threads" or "aiohttp" for one http(s) stream
 
+    @property
+    def retry(self) -> RetryPolicy:
+        """``retries`` and ``retry_backoff`` as the one policy the retry loops take."""
+        return RetryPolicy(self.retries, self.retry_backoff)
+
+    @property
+    def connections(self) -> int:
+        """The connection pool of a backend with one (S3, GCS, Azure): room for every
+        part of two objects at once, and never fewer than 64."""
+        return max(64, 2 * self.parallel)
+
 
 DEFAULT_OPTIONS = UpstreamOptions()

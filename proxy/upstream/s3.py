@@ -27,7 +27,7 @@ from typing import Any
 from multidict import CIMultiDict
 
 from proxy.upstream.errors import botocore_error, s3_error
-from proxy.upstream.options import DEFAULT_OPTIONS, NO_RETRY, RetryPolicy
+from proxy.upstream.options import DEFAULT_OPTIONS, NO_RETRY, RetryPolicy, UpstreamOptions
 from proxy.upstream.s3url import S3Location, format_range, join_key, parse_s3_url
 from proxy.upstream.stream import retrying
 from proxy.upstream.transport import pump_chunks
@@ -160,7 +160,8 @@ class S3Upstream:
     Credentials: ``credentials=(access_key, secret_key)`` if given, else the standard AWS
     chain (``profile`` selects a shared-config profile). ``anonymous=None`` signs when
     credentials are found and sends unsigned requests otherwise; True/False force it.
-    Throttling and 5xx are retried ``retries`` times with exponential backoff.
+    Timeouts, retries and the connection pool's size come from ``options``; throttling
+    and 5xx are retried as its :attr:`~proxy.upstream.options.UpstreamOptions.retry` says.
     """
 
     def __init__(
@@ -172,11 +173,7 @@ class S3Upstream:
         credentials: tuple[str, str] | None = None,
         anonymous: bool | None = None,
         addressing_style: str | None = None,
-        connect_timeout: float = DEFAULT_OPTIONS.connect_timeout,
-        read_timeout: float = DEFAULT_OPTIONS.read_timeout,
-        max_connections: int = 64,
-        retries: int = DEFAULT_OPTIONS.retries,
-        backoff: float = DEFAULT_OPTIONS.retry_backoff,
+        options: UpstreamOptions = DEFAULT_OPTIONS,
     ) -> None:
         self.endpoint_url = endpoint_url
         self.region = region
@@ -184,10 +181,8 @@ class S3Upstream:
         self.credentials = credentials
         self.anonymous = anonymous
         self.addressing_style = addressing_style or ("path" if endpoint_url else "auto")
-        self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
-        self.max_connections = max_connections
-        self.retry = RetryPolicy(retries, backoff)
+        self.options = options
+        self.retry = options.retry
         self._stack: contextlib.AsyncExitStack | None = None
         self._client: Any = None
         self._start_lock: asyncio.Lock | None = None
@@ -220,9 +215,9 @@ class S3Upstream:
         config = AioConfig(
             s3={"addressing_style": self.addressing_style},
             retries={"total_max_attempts": 1},
-            connect_timeout=self.connect_timeout,
-            read_timeout=self.read_timeout,
-            max_pool_connections=self.max_connections,
+            connect_timeout=self.options.connect_timeout,
+            read_timeout=self.options.read_timeout,
+            max_pool_connections=self.options.connections,
             signature_version=UNSIGNED if anonymous else None,
             response_checksum_validation="when_required",
         )

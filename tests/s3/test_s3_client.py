@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from proxy.upstream import Fetcher
 from proxy.upstream.errors import s3_error
+from proxy.upstream.options import UpstreamOptions
 from proxy.upstream.parts import fetch_parts
 from proxy.upstream.s3 import S3Transport, S3Upstream, format_range, join_key, parse_s3_url
 from shardcache.errors import (
@@ -277,7 +278,9 @@ async def throttling_front(seaweed, aiohttp_server):
 
 async def test_throttling_is_retried_then_503(throttling_front):
     url, state = throttling_front
-    async with S3Upstream(endpoint_url=url, anonymous=True, retries=3, backoff=0.01) as s3:
+    async with S3Upstream(
+        endpoint_url=url, anonymous=True, options=UpstreamOptions(retries=3, retry_backoff=0.01)
+    ) as s3:
         state["fail"] = 2
         assert await read_all(await s3.open(SMALL)) == OBJECTS["shards/small.tar"]
         assert state["seen"] == 3
@@ -291,12 +294,16 @@ async def test_throttling_is_retried_then_503(throttling_front):
 async def test_timeout_and_connection_refused(throttling_front):
     url, state = throttling_front
     state["hang"] = True
-    async with S3Upstream(endpoint_url=url, anonymous=True, read_timeout=0.5, retries=0) as s3:
+    async with S3Upstream(
+        endpoint_url=url, anonymous=True, options=UpstreamOptions(read_timeout=0.5, retries=0)
+    ) as s3:
         with pytest.raises(UpstreamTimeout) as ei:
             await s3.open(SMALL)
         assert ei.value.status_hint == 504
     dead = f"http://127.0.0.1:{free_port()}"
-    async with S3Upstream(endpoint_url=dead, anonymous=True, retries=0) as s3:
+    async with S3Upstream(
+        endpoint_url=dead, anonymous=True, options=UpstreamOptions(retries=0)
+    ) as s3:
         with pytest.raises(UpstreamError) as ei:
             await s3.open(SMALL)
         assert ei.value.status_hint == 502 and not isinstance(ei.value, UpstreamTimeout)
