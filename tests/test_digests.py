@@ -33,7 +33,7 @@ from support.faultclient import (
     stats,
 )
 from support.origins import BadOrigin, Version
-from support.proxy import ProxyProcess
+from support.proxy import ProxyProcess, entry_digests
 
 from shardcache.digests import Digester, declared_digests, file_digests
 from shardcache.store import Store
@@ -154,15 +154,6 @@ def origin(bad_origin: BadOrigin) -> BadOrigin:
     return bad_origin
 
 
-def entries(p: ProxyProcess) -> dict[str, dict[str, str]]:
-    """url -> recorded digests of every entry of the proxy's store."""
-    store = Store(p.cache_dir, cache_size=1 << 30)
-    try:
-        return {e.url: dict(e.digests) for e in store.entries()}
-    finally:
-        store.close()
-
-
 def assert_refused(p: ProxyProcess, data: bytes, algorithm: str) -> None:
     """The client saw an error (never a clean response), nothing was committed, and the
     mismatch was counted and logged with the algorithm."""
@@ -218,7 +209,7 @@ def test_right_digests_pass_and_are_recorded(origin, proxy, transport):
     settle(proxy)
     assert stats(proxy.port)["entries"] == 1
     proxy.stop(timeout=10)
-    (recorded,) = entries(proxy).values()
+    (recorded,) = entry_digests(proxy).values()
     assert recorded == {
         "crc32c": crc32c_raw(data).hex(),
         "md5": hashlib.md5(data).hexdigest(),
@@ -233,7 +224,7 @@ def test_undeclared_objects_record_a_crc32c(origin, proxy, transport):
     assert r.status == 200 and r.clean and r.body == data, r.describe()
     settle(proxy)
     proxy.stop(timeout=10)
-    assert list(entries(proxy).values()) == [{"crc32c": crc32c_raw(data).hex()}]
+    assert list(entry_digests(proxy).values()) == [{"crc32c": crc32c_raw(data).hex()}]
 
 
 @pytest.mark.parametrize("transport", ["parts"])

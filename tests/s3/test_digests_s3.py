@@ -13,17 +13,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import BUCKET
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from support.badorigin import BadOrigin, Version  # noqa: E402
-from support.faultclient import COMMON, LM_OLD, SIZE, check_rule, fetch, settle  # noqa: E402
-from support.proxy_helpers import ProxyProcess, aws_env  # noqa: E402
-from test_digests import entries  # noqa: E402
+from support.badorigin import BadOrigin, Version
+from support.faultclient import COMMON, LM_OLD, SIZE, check_rule, fetch, settle
+from support.proxy import ProxyProcess, aws_env, entry_digests
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -60,7 +56,7 @@ def test_seaweedfs_digests_are_checked_and_recorded(seaweed, boto, tmp_path, mod
         settle(p)
     finally:
         p.stop(timeout=10)
-    (recorded,) = entries(p).values()
+    (recorded,) = entry_digests(p).values()
     # the ETag's MD5, declared on every answer: computed (and so checked) in both modes
     assert recorded.get("md5") == hashlib.md5(data).hexdigest(), recorded
     if mode == "stream":

@@ -1,5 +1,6 @@
 """The proxy daemon as a subprocess (started, waited on until it serves, stopped), and its
-bookkeeping read back: ``/-/stats`` and the wait until nothing is in flight."""
+bookkeeping read back: ``/-/stats``, the wait until nothing is in flight and the digests
+recorded with its entries."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from shardcache.store import Store
 
 from .wait import wait_until
 
@@ -178,3 +181,12 @@ def settle(p: ProxyProcess, timeout: float = 5.0) -> dict:
         )
 
     return wait_until(idle, timeout, what=left_behind)
+
+
+def entry_digests(p: ProxyProcess) -> dict[str, dict[str, str]]:
+    """url -> the digests recorded with each entry of the proxy's store."""
+    store = Store(p.cache_dir, cache_size=1 << 30)
+    try:
+        return {e.url: dict(e.digests) for e in store.entries()}
+    finally:
+        store.close()
