@@ -16,7 +16,6 @@ the proxy's next write fails. The proxy's log stays outside the tmpfs.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import concurrent.futures
 import email.utils
@@ -45,6 +44,7 @@ from support.passthrough import (
 from support.proxy import part_files, stats
 from support.proxy_helpers import Origin
 from support.store_faults import Rig, fill
+from support.wait import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -177,9 +177,7 @@ class VersionedOrigin(Origin):
             piece_end = min(stop, pos + spec.chunk)
             if spec.pause_at is not None and not spec.gate.is_set():
                 if pos == spec.pause_at:
-                    deadline = time.monotonic() + 60
-                    while not spec.gate.is_set() and time.monotonic() < deadline:
-                        await asyncio.sleep(0.005)
+                    await until(spec.gate.is_set, 60, 0.005, what="the test to open the gate")
                 elif pos < spec.pause_at < piece_end:
                     piece_end = spec.pause_at
             await resp.write(body[pos - start : piece_end - start])

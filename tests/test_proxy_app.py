@@ -10,9 +10,11 @@ import threading
 
 import aiohttp
 import pytest
+from support.proxy import committed, downloads_done
 from support.proxy_helpers import Fault, free_port, raw_request
+from support.wait import until
 
-from proxy.app import INFLIGHT, METRICS, STORE, make_app
+from proxy.app import METRICS, STORE, make_app
 from proxy.config import Settings
 from proxy.policy import Upstream
 
@@ -55,16 +57,6 @@ def proxy(aiohttp_client, tmp_path, origin):
     return make
 
 
-async def settle(client) -> None:
-    """Wait until no download is running (commits happen after the last byte is sent)."""
-    inflight = client.server.app[INFLIGHT]
-    for _ in range(500):
-        if len(inflight) == 0:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("downloads did not finish")
-
-
 def part_files(client) -> list[str]:
     store = client.server.app[STORE]
     return [n for n in os.listdir(store.cache_dir) if n.endswith(".part")]
@@ -93,7 +85,7 @@ async def test_miss_then_hit(proxy, origin, sendfile):
     assert h["Last-Modified"] == "Mon, 01 Jan 2024 00:00:00 GMT"
     assert h["Content-Type"] == "application/x-tar"
     assert origin.gets["a.tar"] == 1
-    await settle(c)
+    await downloads_done(c.server.app)
     assert part_files(c) == []
 
 
@@ -327,12 +319,12 @@ async def test_lru_eviction_under_pressure(proxy, origin):
     for name in ("a", "b", "a", "c"):  # a is used again, so b is least recently used
         st, _, body = await get(c, f"/{name}.tar")
         assert body == origin.files[f"{name}.tar"]
-        await settle(c)
+        await downloads_done(c.server.app)
         on_disk = sum(e.size for e in store.entries())
         assert on_disk <= 2.5 * size
     caches = {n: (await get(c, f"/{n}.tar"))[1]["X-Cache"] for n in ("a", "c", "b")}
     assert caches == {"a": "HIT", "c": "HIT", "b": "MISS"}
-    await settle(c)
+    await downloads_done(c.server.app)
     m = c.server.app[METRICS]
     assert m.evictions._value.get() >= 1
     files = [n for n in os.listdir(store.cache_dir) if not n.startswith(".")]
@@ -418,13 +410,8 @@ async def test_admin_token_stats_metrics_prefetch_purge(proxy, origin):
         assert r.status == 400
     async with c.post("/-/prefetch", json=body, headers=auth) as r:
         assert r.status == 202 and (await r.json()) == {"accepted": 3}
-    for _ in range(200):
-        async with c.get("/-/stats") as r:
-            stats = await r.json()
-        if stats["entries"] == 3:
-            break
-        await asyncio.sleep(0.02)
-    assert stats["entries"] == 3 and stats["bytes"] == 150 * KB
+    stats = await committed(c, 3)
+    assert stats["bytes"] == 150 * KB
     for key in ("limit", "hit_ratio", "in_flight", "upstream_bytes", "served_bytes"):
         assert key in stats
     assert (await get(c, "/shard-1.tar"))[1]["X-Cache"] == "HIT"
@@ -437,7 +424,7 @@ async def test_admin_token_stats_metrics_prefetch_purge(proxy, origin):
     async with c.delete("/-/cache", params={"url": "/shard-0.tar"}, headers=auth) as r:
         assert (await r.json()) == {"removed": 1}
     assert (await get(c, "/shard-0.tar"))[1]["X-Cache"] == "MISS"
-    await settle(c)
+    await downloads_done(c.server.app)
     async with c.delete("/-/cache", headers=auth) as r:
         assert (await r.json()) == {"removed": 3}
     assert (await get(c, "/shard-2.tar"))[1]["X-Cache"] == "MISS"
@@ -471,10 +458,7 @@ async def test_gated_download_then_shutdown_leaves_no_partial(proxy, origin):
     origin.faults["g.tar"] = Fault(gate=gate)
     c = await proxy()
     task = asyncio.ensure_future(get(c, "/g.tar"))
-    for _ in range(100):
-        if part_files(c):
-            break
-        await asyncio.sleep(0.02)
+    await until(lambda: part_files(c), 2, what="the download's .part file")
     assert len(part_files(c)) == 1
     await c.server.app.cleanup()  # as on shutdown: downloads cancelled, partials deleted
     assert part_files(c) == []
@@ -518,11 +502,12 @@ async def test_service_routes_are_counted_apart_from_shard_reads(tmp_path, aioht
         return out
 
     # a response is counted once its handler returns, a moment after the client has it
-    for _ in range(200):
+    def both() -> dict | None:
         totals = counted()
-        if sum(v for k, v in totals.items() if k[0] == "shardcache_requests_total") >= 2:
-            break
-        await asyncio.sleep(0.01)
+        n = sum(v for k, v in totals.items() if k[0] == "shardcache_requests_total")
+        return totals if n >= 2 else None
+
+    totals = await until(both, 2, what=lambda: f"two requests counted: {counted()}")
     assert totals[("shardcache_requests_total", "MISS")] == 1, totals
     assert totals.get(("shardcache_requests_total", "HIT")) == 1, sorted(totals.items())
     assert ("shardcache_requests_total", "NONE") not in totals
@@ -634,6 +619,6 @@ async def test_a_content_type_with_parameters_is_served_as_sent(aiohttp_client, 
                 assert r.status == 200, await r.text()
                 assert r.headers["Content-Type"] == "text/plain; charset=utf-8"
                 assert await r.read() == body
-            await settle(client)
+            await downloads_done(client.server.app)
         async with client.get(f"/{name}", headers={"Range": "bytes=2-4"}) as r:
             assert r.status == 206 and await r.read() == body[2:5]

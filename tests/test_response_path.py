@@ -13,8 +13,10 @@ import hashlib
 import aiohttp
 import pytest
 from aiohttp import web
+from support.proxy import downloads_done
+from support.wait import until
 
-from proxy.app import HITS, INFLIGHT, METRICS, make_app
+from proxy.app import HITS, METRICS, make_app
 from proxy.config import parse_settings
 from proxy.hits import HitTier
 
@@ -95,15 +97,6 @@ async def rig(aiohttp_client, tmp_path):
     return origin, make
 
 
-async def settle(client) -> None:
-    inflight = client.server.app[INFLIGHT]
-    for _ in range(500):
-        if len(inflight) == 0:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("downloads did not finish")
-
-
 HEADERS = ("Content-Length", "Content-Range", "ETag", "Last-Modified", "Content-Type")
 
 
@@ -145,14 +138,14 @@ async def target(client, origin: Origin, path: str, name: str) -> str:
     client.server.app[HITS].max_bytes = (32 << 20) if path == "ram" else 0
     async with client.get(f"/{name}") as r:
         await r.read()
-    await settle(client)
+    await downloads_done(client.server.app)
     return f"/{name}"
 
 
 async def ask(client, origin: Origin, path: str, name: str, method, headers) -> tuple:
     """One request for ``name`` answered the ``path`` way."""
     got = await answer(client, method, await target(client, origin, path, name), headers)
-    await settle(client)
+    await downloads_done(client.server.app)
     return got
 
 
@@ -202,17 +195,17 @@ async def test_bytes_and_first_byte_are_counted_on_every_path(rig):
     async def counted() -> tuple[int, float]:
         """Served bytes and first bytes once every answer so far is counted (the count
         is taken when the handler returns, which may be after the client has read it)."""
-        for _ in range(500):
-            requests = sum(
+
+        def requests() -> float:
+            return sum(
                 s.value
                 for metric in m.exposed.collect()
                 for s in metric.samples
                 if s.name == "shardcache_requests_total"
             )
-            if requests == len(seen):
-                return m.totals()["served_bytes"], first_bytes(cache)
-            await asyncio.sleep(0.01)
-        raise AssertionError("requests were not counted")
+
+        await until(lambda: requests() == len(seen), 5, what=f"{len(seen)} requests counted")
+        return m.totals()["served_bytes"], first_bytes(cache)
 
     seen = []
     for path in PATHS:
@@ -243,7 +236,7 @@ async def test_an_entry_file_cut_short_aborts_the_connection(rig, monkeypatch, t
     client = await make(sendfile=sendfile)
     async with client.get("/f.bin") as r:
         await r.read()
-    await settle(client)
+    await downloads_done(client.server.app)
     opened = HitTier.open
 
     def open_then_shrink(self, entry):
@@ -282,7 +275,7 @@ async def test_an_upstream_cut_after_the_headers_aborts_the_connection(rig, path
         async with client.get(path, headers=headers) as r:
             assert r.status == (206 if rng else 200)
             await r.read()
-    await settle(client)
+    await downloads_done(client.server.app)
 
 
 @pytest.mark.parametrize("size", [10 << 10, 600 << 10], ids=["ram", "file"])
@@ -300,7 +293,7 @@ async def test_an_entry_another_process_replaced_is_served_as_its_new_version(ri
     client = await make()
     async with client.get("/r.bin") as r:
         assert await r.read() == old
-    await settle(client)
+    await downloads_done(client.server.app)
     for _ in range(2):  # hits: the entry is remembered, its bytes kept in RAM when small
         async with client.get("/r.bin") as r:
             assert (r.headers["X-Cache"], r.headers["ETag"], await r.read()) == ("HIT", ETAG, old)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 from proxy_helpers import Fault, Origin
+from support.proxy import committed
+from support.wait import until
 
 from proxy import statuspage
 from proxy.app import STORE, make_app
@@ -68,6 +70,12 @@ async def fetch(client, path: str) -> bytes:
     async with client.get(path) as r:
         assert r.status == 200, (path, r.status, await r.text())
         return await r.read()
+
+
+async def downloads(client) -> list[dict]:
+    """The rows of ``/-/downloads``: the downloads running now."""
+    async with client.get("/-/downloads") as r:
+        return (await r.json())["downloads"]
 
 
 # --- the page and its files -------------------------------------------------------------
@@ -198,15 +206,7 @@ async def test_downloads_show_progress_while_in_flight(proxy, origin):
     origin.faults["slow.tar"] = Fault(gate=gate)
     task = asyncio.ensure_future(fetch(c, "/slow.tar"))
     try:
-        seen = None
-        for _ in range(300):
-            async with c.get("/-/downloads") as r:
-                body = await r.json()
-            if body["downloads"]:
-                seen = body["downloads"][0]
-                break
-            await asyncio.sleep(0.01)
-        assert seen is not None, "the download never showed"
+        seen = (await until(lambda: downloads(c), 3, what="the download listed"))[0]
         assert seen["url"] == f"{origin.url}/slow.tar"
         assert seen["size"] == 256 * KB and seen["written"] == 0
         assert seen["state"] in ("opening", "streaming") and seen["reason"] == "demand"
@@ -216,13 +216,11 @@ async def test_downloads_show_progress_while_in_flight(proxy, origin):
     finally:
         gate.set()
     assert await task == origin.files["slow.tar"]
-    for _ in range(300):
-        async with c.get("/-/downloads") as r:
-            if not (await r.json())["downloads"]:
-                break
-        await asyncio.sleep(0.01)
-    else:
-        raise AssertionError("the finished download is still listed")
+
+    async def unlisted() -> bool:
+        return not await downloads(c)
+
+    await until(unlisted, 3, what="the finished download to leave the list")
 
 
 async def test_downloads_report_bytes_written_so_far(proxy, origin):
@@ -231,9 +229,8 @@ async def test_downloads_report_bytes_written_so_far(proxy, origin):
     c = await proxy()
     task = asyncio.ensure_future(fetch(c, "/paced.tar"))
     fractions = []
-    for _ in range(400):
-        async with c.get("/-/downloads") as r:
-            rows = (await r.json())["downloads"]
+    for _ in range(400):  # samples while the download runs
+        rows = await downloads(c)
         if rows:
             row = rows[0]
             assert 0 <= row["written"] <= row["size"] == 512 * KB
@@ -256,11 +253,7 @@ async def test_entries_rank_the_largest_and_the_hottest(proxy, origin, monkeypat
     for _ in range(3):
         await fetch(c, "/small.tar")
     await fetch(c, "/mid.tar")
-    for _ in range(300):  # commits come after the last byte
-        async with c.get("/-/stats") as r:
-            if (await r.json())["entries"] == 3:
-                break
-        await asyncio.sleep(0.01)
+    await committed(c, 3)
     store = c.server.app[STORE]
     await asyncio.to_thread(store.flush_access)  # hits reach the index in batches
     async with c.get("/-/entries") as r:
@@ -313,11 +306,7 @@ async def test_entries_scan_the_index_once_whatever_top_clients_ask(proxy, origi
     c = await proxy()
     for i in range(5):
         await fetch(c, f"/s{i}.tar")
-    for _ in range(300):
-        async with c.get("/-/stats") as r:
-            if (await r.json())["entries"] == 5:
-                break
-        await asyncio.sleep(0.01)
+    await committed(c, 5)
     scans = []
     real = statuspage.top_entries
 

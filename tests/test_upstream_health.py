@@ -16,6 +16,8 @@ import urllib.request
 
 import pytest
 from proxy_helpers import ProxyProcess, free_port
+from support.proxy import downloads_done
+from support.wait import until
 
 from proxy.policy import Upstream
 from proxy.upstream.errors import PassedAnswer, socket_error, status_error
@@ -188,7 +190,7 @@ async def test_failures_after_the_body_opened_are_counted_once(aiohttp_client, t
     import aiohttp
     from proxy_helpers import Fault
 
-    from proxy.app import INFLIGHT, METRICS, make_app
+    from proxy.app import METRICS, make_app
     from proxy.config import Settings
     from proxy.context import UPSTREAM_HEALTH
 
@@ -212,13 +214,11 @@ async def test_failures_after_the_body_opened_are_counted_once(aiohttp_client, t
                 await r.read()
 
     await asyncio.gather(cut(), cut())
-    for _ in range(200):  # the download's end is reported when its task is done
-        if not len(c.server.app[INFLIGHT]):
-            break
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.05)
+    await downloads_done(c.server.app, 2)  # the download's end is reported when its task is done
     health = c.server.app[UPSTREAM_HEALTH]
-    [u] = health.snapshot()
+    [u] = await until(
+        lambda: [u for u in health.snapshot() if u["failures"]], 2, what="the cut reported"
+    )
     assert u["failures"] == {"cut": 1} and u["state"] == "down"
     r = await c.get("/missing.tar")  # an answer about the object: the upstream is up
     assert r.status == 404

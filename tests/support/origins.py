@@ -30,6 +30,7 @@ from .httporigin import Origin as ThreadedOrigin
 from .huborigin import Hub
 from .opshelpers import Origin as CountingOrigin
 from .pipeline_helpers import serve_directory
+from .wait import until
 
 __all__ = [
     "BadOrigin",
@@ -140,9 +141,8 @@ class Origin:
         await resp.prepare(request)
         if request.method == "HEAD":
             return resp
-        if fault.gate is not None:
-            while not fault.gate.is_set():
-                await asyncio.sleep(0.01)
+        if fault.gate is not None:  # a threading.Event the test sets
+            await until(fault.gate.is_set, 60, what=f"the test to open {name}'s gate")
         cut = None
         if fault.truncate_at is not None:
             cut = fault.truncate_at - start

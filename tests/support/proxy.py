@@ -1,6 +1,6 @@
 """The proxy daemon as a subprocess (started, waited on until it serves, stopped), and its
-bookkeeping read back: ``/-/stats``, the wait until nothing is in flight and the digests
-recorded with its entries."""
+bookkeeping read back: ``/-/stats``, the wait until nothing is in flight (for an
+in-process app too) and the digests recorded with its entries."""
 
 from __future__ import annotations
 
@@ -14,10 +14,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from aiohttp import web
 
 from shardcache.store import Store
 
-from .wait import wait_until
+from .wait import until, wait_until
 
 
 def free_port() -> int:
@@ -190,3 +193,30 @@ def entry_digests(p: ProxyProcess) -> dict[str, dict[str, str]]:
         return {e.url: dict(e.digests) for e in store.entries()}
     finally:
         store.close()
+
+
+async def downloads_done(app: web.Application, timeout: float = 5.0) -> None:
+    """Wait (bounded) until an in-process proxy ``app`` has no download running: its
+    commit, and the report of its end, come after the last byte a client reads."""
+    from proxy.context import INFLIGHT
+
+    inflight = app[INFLIGHT]
+    await until(
+        lambda: len(inflight) == 0,
+        timeout,
+        what=lambda: f"downloads to end ({len(inflight)} running)",
+    )
+
+
+async def committed(client: Any, entries: int, timeout: float = 10.0) -> dict:
+    """Wait (bounded) until an in-process proxy (an aiohttp test ``client``) counts
+    ``entries`` entries in ``/-/stats`` (commits come after the last byte); return those
+    stats."""
+    seen: dict = {}
+
+    async def counted() -> dict | None:
+        async with client.get("/-/stats") as r:
+            st = seen["stats"] = await r.json()
+        return st if st["entries"] == entries else None
+
+    return await until(counted, timeout, what=lambda: f"{entries} entries: {seen.get('stats')}")

@@ -1,9 +1,12 @@
-"""Waiting on a condition instead of sleeping a fixed time."""
+"""Waiting on a condition instead of sleeping a fixed time: :func:`wait_until` in a
+thread, :func:`until` inside a running event loop."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -37,3 +40,27 @@ def wait_until(
             said = what() if callable(what) else what
             raise AssertionError(f"waited {timeout:g} s for {said}; last: {last!r}")
         time.sleep(interval)
+
+
+async def until(
+    cond: Callable[[], T | Awaitable[T]],
+    timeout: float = 10.0,
+    interval: float = 0.01,
+    what: str | Callable[[], str] = "the condition",
+) -> T:
+    """:func:`wait_until` for a test running in an event loop: ``cond`` (a function, or a
+    coroutine function, e.g. one that asks the proxy's ``/-/stats``) is asked every
+    ``interval`` seconds, the loop running meanwhile, until it returns something truthy,
+    which is returned; after ``timeout`` seconds AssertionError names ``what`` and the
+    last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value  # type: ignore[return-value]
+        if time.monotonic() >= deadline:
+            said = what() if callable(what) else what
+            raise AssertionError(f"waited {timeout:g} s for {said}; last: {value!r}")
+        await asyncio.sleep(interval)
