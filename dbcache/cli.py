@@ -51,9 +51,9 @@ def register(subparsers: SubParsersAction) -> None:
         action="append",
         default=[],
         help="with --proxy: the proxy's --upstream values (repeatable), so that URL/<path> "
-        "is fetched as <proxy>/<path> (NAME=URL: <proxy>/NAME/<path>); without it the shards "
-        "are asked for in the proxy's absolute-URL form, served only for hosts named with "
-        "its --allow-host",
+        "is fetched as <proxy>/<path> (NAME=URL: <proxy>/NAME/<path>); without it the proxy "
+        "is asked for its own (and a URL under none of them of a host it allows with "
+        "--allow-host takes its absolute-URL form)",
     )
     build.add_argument(
         "--codec",
@@ -97,28 +97,48 @@ def expand(urls: str) -> list[str]:
     return list(expand_urls(urls))
 
 
-def through_proxy(url: str, proxy: str, upstreams: Sequence[str] = ()) -> str:
-    """``url`` as fetched through the proxy at ``proxy`` started with ``--upstream``
-    ``upstreams`` (none: the proxy's absolute-URL form)."""
-    from shardcache.urls import proxied
+def through_proxy(urls: Sequence[str], proxy: str, upstreams: Sequence[str] = ()) -> list[str]:
+    """``urls`` as fetched through the proxy at ``proxy`` started with ``--upstream``
+    ``upstreams``; none given: with the upstreams the proxy reports (``GET /-/where``,
+    asked once), and in the absolute-URL form for the hosts it allows, as
+    :func:`shardcache.proxied` maps them."""
+    from shardcache.errors import ProxyURLError
+    from shardcache.urls import proxied, proxy_upstreams
 
-    ups = list(upstreams) or None
-    try:
-        return str(proxied(url, proxy, upstream=ups, absolute=ups is None))
-    except ValueError as exc:
-        if ups is not None:
+    ups = list(upstreams)
+    absolute: bool | frozenset[str] = False
+    if ups:
+        named = f"--upstream {', '.join(ups)}"
+        fix = (
+            "give the proxy's own --upstream values (check both for a typo), or leave "
+            "--upstream out to use those the proxy reports"
+        )
+    else:
+        try:
+            ups, hosts = proxy_upstreams(proxy)
+        except ProxyURLError as exc:  # what failed, then this command's remedies
+            raise DBCacheError(
+                f"--proxy {proxy}: {str(exc).partition(';')[0]}; start it or check --proxy, "
+                "or give dbcache build the proxy's --upstream values with --upstream"
+            ) from None
+        absolute = frozenset(hosts)
+        named = f"the proxy's upstreams ({', '.join(ups) or 'none'})"
+        fix = (
+            "check the URL for a typo; its host is not one the proxy allows either "
+            "(its --allow-host)"
+        )
+    out = []
+    for url in urls:
+        try:
+            out.append(str(proxied(url, proxy, upstream=ups, absolute=absolute)))
+        except ValueError as exc:
             try:
                 proxied(url, proxy, upstream=ups, absolute=True)
             except ValueError:
-                pass
-            else:  # only the upstreams were wrong
-                raise DBCacheError(
-                    f"{url} is under none of --upstream {', '.join(ups)}: give the proxy's "
-                    "own --upstream values (check both for a typo), or leave --upstream out "
-                    "to ask for the absolute-URL form (served only for hosts named with the "
-                    "proxy's --allow-host)"
-                ) from None
-        raise DBCacheError(f"--proxy {proxy}: {exc}") from exc
+                raise DBCacheError(f"--proxy {proxy}: {exc}") from exc
+            # only the upstreams were wrong
+            raise DBCacheError(f"{url} is under none of {named}: {fix}") from None
+    return out
 
 
 ERROR_TEXT_MAX = 300  # longer error bodies are pages, not messages
@@ -144,12 +164,10 @@ def _error_text(exc: urllib.error.HTTPError) -> str:
     return text
 
 
-def open_shard(
-    url: str, timeout: float = 60.0, proxy: str | None = None, hint_403: str = ""
-) -> IO[bytes]:
+def open_shard(url: str, timeout: float = 60.0, proxy: str | None = None) -> IO[bytes]:
     """Open one shard for reading: http(s) here, so that an error answer's text is kept
     (``HTTP 403 Forbidden: host h is not allowed (see --allow-host)``); everything else
-    with :func:`shardcache.gopen.gopen`. ``hint_403`` is added to a 403's message."""
+    with :func:`shardcache.gopen.gopen`."""
     from shardcache._version import __version__
     from shardcache.gopen import HTTPStream, gopen
 
@@ -162,8 +180,7 @@ def open_shard(
         with exc:
             text = _error_text(exc)
         reason = f"HTTP {exc.code} {exc.reason or ''}".rstrip()
-        hint = hint_403 if exc.code == 403 else ""
-        raise DBCacheError(f"{url}: {reason}" + (f": {text}" if text else "") + hint) from None
+        raise DBCacheError(f"{url}: {reason}" + (f": {text}" if text else "")) from None
     except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
         cause = getattr(exc, "reason", exc)
         if (
@@ -190,15 +207,14 @@ class ShardReader:
     """The samples of the tar shards at ``urls``, in order (errors raise); ``opened``
     counts the shards read so far (a build stops reading once the file is full)."""
 
-    def __init__(self, urls: list[str], proxy: str | None = None, hint_403: str = "") -> None:
+    def __init__(self, urls: list[str], proxy: str | None = None) -> None:
         self.urls = urls
         self.proxy = proxy
-        self.hint_403 = hint_403
         self.opened = 0
 
     def _streams(self) -> Iterator[dict[str, Any]]:
         for url in self.urls:
-            stream = open_shard(url, proxy=self.proxy, hint_403=self.hint_403)
+            stream = open_shard(url, proxy=self.proxy)
             self.opened += 1
             yield {"url": url, "stream": stream}
 
@@ -274,7 +290,6 @@ def build(
     codec: str = "safe",
     progress: bool = True,
     proxy: str | None = None,
-    hint_403: str = "",
 ) -> tuple[int, int]:
     """Fill ``db`` with ``size`` samples from the shards at ``urls``.
 
@@ -283,8 +298,8 @@ def build(
     distinct samples are an error too: a file this build created is removed (the same
     shards could never fill it, and its size is fixed), one that existed keeps what it
     holds, and the message says which. A file left partly filled by another failure (a
-    shard that could not be read) is kept: the same build resumes it. ``proxy`` and
-    ``hint_403`` make the errors of a proxy say more.
+    shard that could not be read) is kept: the same build resumes it. ``proxy`` makes
+    the errors of a proxy say more.
     """
     existed = os.path.exists(db)
     cache: DBCache | None = None
@@ -295,7 +310,7 @@ def build(
         if held >= size:
             log.info("%s: already full with %d samples", db, held)
             return held, 0
-        reader = ShardReader(list(urls), proxy, hint_403)
+        reader = ShardReader(list(urls), proxy)
         cache.source_(reader)
         bar = Progress(size, held, progress)
         # The file's own advice when its source ends short ("the next pass reads the
@@ -352,10 +367,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise DBCacheError("--upstream needs --proxy (the proxy started with those upstreams)")
     urls = expand(args.urls)
     if args.proxy:
-        urls = [through_proxy(url, args.proxy, args.upstream) for url in urls]
-    hint = ""
-    if args.proxy and not args.upstream:
-        hint = "; or give dbcache build the proxy's --upstream values with --upstream"
+        urls = through_proxy(urls, args.proxy, args.upstream)
     held, read = build(
         args.db,
         urls,
@@ -363,7 +375,6 @@ def cmd_build(args: argparse.Namespace) -> int:
         codec=args.codec,
         progress=not args.quiet,
         proxy=args.proxy,
-        hint_403=hint,
     )
     log.info("%s: %d samples held, %d of %d shard(s) read", args.db, held, read, len(urls))
     return 0

@@ -13,7 +13,7 @@ import os
 import random
 import re
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 
 import braceexpand
 
@@ -248,7 +248,7 @@ def proxied(
     proxy: str | None = None,
     *,
     upstream: str | Sequence[str] | None = None,
-    absolute: bool = False,
+    absolute: bool | Collection[str] = False,
 ) -> str | list[str]:
     """Rewrite a URL, a list of URLs or a brace pattern to go through a shardcache proxy.
 
@@ -271,7 +271,8 @@ def proxied(
     :class:`ProxyURLError` naming the URL and the upstreams (a mistyped upstream would
     otherwise surface later as a 403 from the proxy), unless ``absolute=True`` asks for the
     proxy's absolute-URL form: ``scheme://host/path`` becomes ``<proxy>/scheme://host/path``,
-    which the proxy serves only for hosts named with ``--allow-host``. ``s3://bucket/key``
+    which the proxy serves only for hosts named with ``--allow-host``; ``absolute`` may
+    name those hosts (``host`` or ``host:port``), for the form for them only. ``s3://bucket/key``
     follows the same rules (an upstream may be ``s3://bucket``). A URL of the proxy itself
     is kept as it is. Local paths cannot be proxied (a path names a local file).
 
@@ -284,12 +285,12 @@ def proxied(
     the proxy that could not be asked for its upstreams.
     """
     base = _proxy_base(proxy)
-    allowed: bool | frozenset[str] = absolute
+    allowed = absolute if isinstance(absolute, bool) else frozenset(h.lower() for h in absolute)
     specs = [urls] if isinstance(urls, str) else [u for u in urls if isinstance(u, str)]
     parts = [p for spec in specs for p in spec.split("::")]
     # the proxy is asked only when some URL is neither a local path nor already its own
     ask = any(_SCHEME_RE.match(p) and not p.startswith(base + "/") for p in parts)
-    if upstream is None and not absolute and ask:
+    if upstream is None and absolute is False and ask:
         learned, hosts = proxy_upstreams(base)
         rules = _parse_upstreams(learned)
         allowed = frozenset(h.lower() for h in hosts)

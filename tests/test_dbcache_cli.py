@@ -109,9 +109,11 @@ def test_build_through_a_proxy(tmp_path, serve, shards):
     proxy, paths = serve(root)
     db = str(tmp_path / "val.db")
     origin = "http://127.0.0.1:9/val-{000..001}.tar"  # nothing listens there
-    res = run("build", db, origin, "--size", "20", "--proxy", proxy, "--quiet")
+    # a stand-in proxy has no /-/where to tell its upstreams: they are given
+    up = "http://127.0.0.1:9"
+    res = run("build", db, origin, "--size", "20", "--proxy", proxy, "--upstream", up, "--quiet")
     assert res.returncode == 0, res.stderr
-    assert len(paths) == 2 and all("val-00" in p for p in paths)
+    assert paths == ["/val-000.tar", "/val-001.tar"]
     assert len(DBCache(db, 20)) == 20
 
 
@@ -275,15 +277,54 @@ def test_build_through_a_proxy_with_its_upstreams(tmp_path, proxy_and_origin):
     assert DBCache(db, 30).key_exists("s2-009")
 
 
+def test_build_through_a_proxy_asks_it_for_its_upstreams(tmp_path, proxy_and_origin):
+    """No --upstream: the proxy's own (``/-/where``) map the URLs to its short paths (the
+    absolute-URL form would be refused: this proxy allows no host)."""
+    proxy, origin = proxy_and_origin
+    db = str(tmp_path / "val.db")
+    pattern = f"{origin.url}/data/val-{{000..002}}.tar"
+    res = run("build", db, pattern, "--size", "30", "--proxy", proxy.url)
+    assert res.returncode == 0, res.stderr
+    assert "30 samples held, 3 of 3 shard(s) read" in res.stderr
+    assert DBCache(db, 30).key_exists("s2-009")
+    # a URL under none of them, of a host the proxy does not allow: said before any fetch
+    res = run(
+        "build", db + "2", f"{origin.url}/dta/val-000.tar", "--size", "5", "--proxy", proxy.url
+    )
+    assert res.returncode == 1
+    assert (
+        f"{origin.url}/dta/val-000.tar is under none of the proxy's upstreams "
+        f"(val={origin.url}/data): check the URL for a typo; its host is not one the proxy "
+        "allows either (its --allow-host)"
+    ) in res.stderr
+    assert not os.path.exists(db + "2")
+
+
+def test_build_through_a_proxy_takes_the_absolute_form_for_a_host_it_allows(tmp_path):
+    from support.opshelpers import Origin, ProxyProcess, running
+
+    path = tmp_path / "val-000.tar"
+    write_shard(path, [{"__key__": f"a{i}", "cls": b"1"} for i in range(5)])
+    with Origin({"/x/val-000.tar": path.read_bytes()}) as origin:
+        proxy = ProxyProcess(
+            "other=http://data.example/d", tmp_path / "cache", ["--allow-host", "127.0.0.1"]
+        )
+        with running(proxy):
+            db = str(tmp_path / "val.db")
+            url = f"{origin.url}/x/val-000.tar"
+            res = run("build", db, url, "--size", "5", "--proxy", proxy.url)
+            assert res.returncode == 0, res.stderr
+            assert origin.gets["/x/val-000.tar"] == 1 and DBCache(db, 5).key_exists("a4")
+
+
 def test_build_through_a_proxy_shows_the_proxys_error_text(tmp_path, proxy_and_origin):
     proxy, origin = proxy_and_origin
     db = str(tmp_path / "val.db")
-    pattern = f"{origin.url}/data/val-000.tar"
-    # no --upstream: the absolute-URL form, which this proxy refuses (no --allow-host)
-    res = run("build", db, pattern, "--size", "5", "--proxy", proxy.url, "--quiet")
+    # the proxy's own absolute-URL form, kept as given: refused, the host is not allowed
+    url = f"{proxy.url}/{origin.url}/data/val-000.tar"
+    res = run("build", db, url, "--size", "5", "--proxy", proxy.url, "--quiet")
     assert res.returncode == 1
     assert "HTTP 403 Forbidden: host 127.0.0.1 is not allowed (see --allow-host)" in res.stderr
-    assert "--upstream" in res.stderr.splitlines()[-1]
     # a path the upstream does not have: the proxy's 404 and its one line
     res = run(
         "build",
@@ -348,3 +389,12 @@ def test_build_through_a_proxy_that_is_not_running(tmp_path):
     assert res.returncode == 1
     assert f"no proxy answers at {proxy}: connection refused" in res.stderr
     assert "shardcache serve" in res.stderr and not os.path.exists(db)
+    # without --upstream the proxy is asked first: the message says what to pass instead
+    res = run("build", db, "https://data.example/d/val-000.tar", "--size", "5", "--proxy", proxy)
+    assert res.returncode == 1 and not os.path.exists(db)
+    line = res.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"shardcache dbcache: error: --proxy {proxy}: cannot ask the proxy")
+    assert line.endswith(
+        "start it or check --proxy, or give dbcache build the proxy's --upstream values "
+        "with --upstream"
+    )

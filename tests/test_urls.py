@@ -115,6 +115,25 @@ def test_proxied_absolute_form():
     assert proxied("https://h/x.tar", P, upstream="https://h", absolute=True) == f"{P}/x.tar"
 
 
+def test_proxied_absolute_form_for_the_named_hosts_only():
+    """``absolute`` as the proxy's --allow-host values: the form for those hosts (with or
+    without their port), an error for the others; nothing is asked of the proxy."""
+    allowed = ["Data.Example", "o:8080"]
+    ups = ["https://h"]
+    assert proxied("https://h/x.tar", P, upstream=ups, absolute=allowed) == f"{P}/x.tar"
+    for url in (
+        "https://data.example/d/a.tar",
+        "https://data.example:443/a.tar",
+        "http://o:8080/a",
+    ):
+        assert proxied(url, P, upstream=ups, absolute=allowed) == f"{P}/{url}"
+    for url in ("https://o/a.tar", "https://evil.example/a.tar", "s3://data.example/a.tar"):
+        with pytest.raises(ProxyURLError, match="is under none of the upstreams"):
+            proxied(url, P, upstream=ups, absolute=allowed)
+    with pytest.raises(ProxyURLError, match="no upstream given"):
+        proxied("https://o/a.tar", P, absolute=frozenset())  # None: not asked either
+
+
 @pytest.mark.parametrize(
     "url, named",
     [
