@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import os
 import threading
 
 import aiohttp
 import pytest
+from support.data import blob
 from support.proxy import committed, downloads_done
 from support.proxy_helpers import Fault, free_port, raw_request
 from support.wait import until
@@ -21,15 +21,6 @@ from proxy.policy import Upstream
 pytestmark = pytest.mark.timeout(60)
 
 KB = 1024
-
-
-def blob(n: int, seed: int = 0) -> bytes:
-    out = bytearray()
-    i = 0
-    while len(out) < n:
-        out += hashlib.sha256(f"{seed}-{i}".encode()).digest()
-        i += 1
-    return bytes(out[:n])
 
 
 @pytest.fixture(params=["sendfile", "no_sendfile"])

@@ -8,11 +8,11 @@ aborted connection, never a clean short response."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
 import aiohttp
 import pytest
 from aiohttp import web
+from support.data import blob
 from support.proxy import downloads_done
 from support.wait import until
 
@@ -25,15 +25,6 @@ pytestmark = [pytest.mark.fast, pytest.mark.timeout(60)]
 ETAG = '"v1"'
 LAST_MODIFIED = "Mon, 01 Jan 2024 00:00:00 GMT"
 TYPE = "text/plain; charset=utf-8"  # a parameter that must survive every path
-
-
-def blob(n: int, seed: int = 0) -> bytes:
-    out = bytearray()
-    i = 0
-    while len(out) < n:
-        out += hashlib.sha256(f"{seed}-{i}".encode()).digest()
-        i += 1
-    return bytes(out[:n])
 
 
 class Origin:

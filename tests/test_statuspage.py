@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import re
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from proxy_helpers import Fault, Origin
+from support.data import blob
 from support.proxy import committed
 from support.wait import until
 
@@ -31,15 +31,6 @@ pytestmark = pytest.mark.timeout(60)
 
 REPO = Path(__file__).resolve().parent.parent
 KB = 1024
-
-
-def blob(n: int, seed: int = 0) -> bytes:
-    out = bytearray()
-    i = 0
-    while len(out) < n:
-        out += hashlib.sha256(f"{seed}-{i}".encode()).digest()
-        i += 1
-    return bytes(out[:n])
 
 
 @pytest.fixture

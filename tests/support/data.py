@@ -40,6 +40,16 @@ def make_shard(n_samples: int, seed: int = 0, size: int = 1000) -> bytes:
     return buf.getvalue()
 
 
+def blob(n: int, seed: int = 0) -> bytes:
+    """``n`` deterministic bytes, distinct per ``seed`` (the in-process proxy tests')."""
+    out = bytearray()
+    i = 0
+    while len(out) < n:
+        out += hashlib.sha256(f"{seed}-{i}".encode()).digest()
+        i += 1
+    return bytes(out[:n])
+
+
 def pseudo_random_bytes(index: int, size: int) -> bytes:
     """Deterministic pseudo-random bytes (distinct per index)."""
     out = bytearray()
