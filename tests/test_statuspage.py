@@ -195,9 +195,13 @@ async def test_downloads_show_progress_while_in_flight(proxy, origin):
     async with c.get("/-/downloads") as r:
         assert (await r.json()) == {"downloads": []}
     origin.faults["slow.tar"] = Fault(gate=gate)
+
+    async def admitted() -> list[dict]:  # listed from its start, "cached" once admitted
+        return [row for row in await downloads(c) if row["cached"]]
+
     task = asyncio.ensure_future(fetch(c, "/slow.tar"))
     try:
-        seen = (await until(lambda: downloads(c), 3, what="the download listed"))[0]
+        seen = (await until(admitted, 3, what="the download listed, admitted"))[0]
         assert seen["url"] == f"{origin.url}/slow.tar"
         assert seen["size"] == 256 * KB and seen["written"] == 0
         assert seen["state"] in ("opening", "streaming") and seen["reason"] == "demand"
