@@ -52,6 +52,7 @@ from proxy.upstream.cloudurl import CloudLocation, parse_cloud_url
 from proxy.upstream.errors import cloud_error, cloud_status_error
 from proxy.upstream.options import DEFAULT_OPTIONS, UpstreamOptions
 from proxy.upstream.stream import retrying
+from proxy.upstream.transport import error_document
 from shardcache.errors import (
     ObjectChanged,
     ProxyError,
@@ -363,16 +364,7 @@ class CloudTransport:
                     (k, v) for k, v in resp.headers.items() if k.lower() != "vary"
                 )
             return resp
-        body = b""
-        try:
-            async for chunk in resp.chunks():
-                body += chunk
-                if len(body) > 65536:
-                    break
-        except ProxyError:
-            pass
-        finally:
-            resp.close()
+        body = await error_document(resp)
         code = re.search(rb"<Code>([^<]{1,100})</Code>", body)
         raise cloud_status_error(
             url, scheme, resp.status, code.group(1).decode("ascii", "replace") if code else ""

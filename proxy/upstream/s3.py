@@ -30,7 +30,7 @@ from proxy.upstream.errors import botocore_error, s3_error
 from proxy.upstream.options import DEFAULT_OPTIONS, NO_RETRY, RetryPolicy, UpstreamOptions
 from proxy.upstream.s3url import S3Location, format_range, join_key, parse_s3_url
 from proxy.upstream.stream import retrying
-from proxy.upstream.transport import pump_chunks
+from proxy.upstream.transport import error_document, pump_chunks
 from shardcache.errors import (
     S3_EXTRA_HINT,
     ConfigError,
@@ -432,18 +432,7 @@ class S3Transport:
         resp = await self.threads.request("GET", signed, h, label=url)
         if resp.status < 400 or resp.status in (412, 416):
             return resp
-        # an S3 error document: its code names the failure better than the status
-        body = b""
-        try:
-            async for chunk in resp.chunks():
-                body += chunk
-                if len(body) > 65536:
-                    break
-        except ProxyError:
-            pass
-        finally:
-            resp.close()
-        text = body.decode("utf-8", "replace")
+        text = (await error_document(resp)).decode("utf-8", "replace")
         code = re.search(r"<Code>([^<]*)</Code>", text)
         message = re.search(r"<Message>([^<]*)</Message>", text)
         raise s3_error(

@@ -16,7 +16,11 @@ import os
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
-__all__ = ["Response", "Transport", "write_all"]
+from shardcache.errors import ProxyError
+
+__all__ = ["Response", "Transport", "error_document", "write_all"]
+
+ERROR_DOCUMENT_MAX = 65536  # bytes of an error answer read for its code
 
 
 def write_all(fd: int, data: Any, hasher: Any) -> None:
@@ -76,3 +80,21 @@ async def pump_chunks(
         yield len(chunk)
         if left == 0:
             break
+
+
+async def error_document(resp: Response) -> bytes:
+    """The start of an error answer's body (an S3 or GCS XML error document, whose
+    ``<Code>`` names the failure better than the status): about
+    :data:`ERROR_DOCUMENT_MAX` bytes at most, what arrived if the body breaks; ``resp``
+    is closed."""
+    body = b""
+    try:
+        async for chunk in resp.chunks():
+            body += chunk
+            if len(body) > ERROR_DOCUMENT_MAX:
+                break
+    except ProxyError:
+        pass
+    finally:
+        resp.close()
+    return body
