@@ -50,7 +50,7 @@ from proxy.upstream.cloudresponse import (
 )
 from proxy.upstream.cloudurl import CloudLocation, parse_cloud_url
 from proxy.upstream.errors import cloud_error, cloud_status_error
-from proxy.upstream.options import DEFAULT_OPTIONS, UpstreamOptions
+from proxy.upstream.options import DEFAULT_OPTIONS, NO_RETRY, RetryPolicy, UpstreamOptions
 from proxy.upstream.stream import retrying
 from proxy.upstream.transport import error_document
 from shardcache.errors import (
@@ -167,19 +167,30 @@ class CloudUpstream:
         self._stores[key] = made
         return made
 
-    async def _call(self, url: str, scheme: str, fn: Any, *args: Any, **kw: Any) -> Any:
+    async def _call(
+        self, url: str, scheme: str, retry: RetryPolicy | None, fn: Any, *args: Any, **kw: Any
+    ) -> Any:
+        """``fn(*args, **kw)``, its errors mapped, retried by ``retry`` (None: this
+        client's policy)."""
+
         async def once() -> Any:
             try:
                 return await fn(*args, **kw)
             except Exception as exc:
                 raise cloud_error(url, scheme, exc, body=False) from exc
 
-        return await retrying(once, url, self.retry)
+        return await retrying(once, url, self.retry if retry is None else retry)
 
     async def head(
-        self, url: str, *, if_match: str | None = None, quoted: bool = False
+        self,
+        url: str,
+        *,
+        if_match: str | None = None,
+        quoted: bool = False,
+        retry: RetryPolicy | None = None,
     ) -> ObjectMeta:
-        """HEAD ``gs://…`` or ``az://…``: size, ETag, Last-Modified, type, stored fields."""
+        """HEAD ``gs://…`` or ``az://…``: size, ETag, Last-Modified, type, stored fields.
+        ``retry``: how to retry throttling and 5xx (None: this client's policy)."""
         import obstore
 
         loc = parse_cloud_url(url, quoted=quoted)
@@ -188,7 +199,7 @@ class CloudUpstream:
             options["if_match"] = if_match
         key = _object_key(url, loc)
         got = await self._call(
-            url, loc.scheme, obstore.get_async, self.store(loc), key, options=options
+            url, loc.scheme, retry, obstore.get_async, self.store(loc), key, options=options
         )
         meta = _object_meta(loc.scheme, got.meta, got.attributes)
         if if_match and meta.etag != if_match:
@@ -202,9 +213,11 @@ class CloudUpstream:
         if_match: str | None = None,
         *,
         quoted: bool = False,
+        retry: RetryPolicy | None = None,
     ) -> CloudResponse:
         """GET ``url``, optionally a ``Range`` header's single range, pinned to an ETag
-        (ObjectChanged when another version answers). The response streams."""
+        (ObjectChanged when another version answers). The response streams. ``retry`` as
+        for :meth:`head`."""
         import obstore
 
         loc = parse_cloud_url(url, quoted=quoted)
@@ -215,14 +228,16 @@ class CloudUpstream:
         if if_match:
             options["if_match"] = if_match
         if isinstance(wanted, int):  # a suffix: Azure has none, so from the size
-            size = (await self.head(url, if_match=if_match, quoted=quoted)).size or 0
+            size = (await self.head(url, if_match=if_match, quoted=quoted, retry=retry)).size or 0
             if wanted == 0 or size == 0:
                 raise RangeNotSatisfiable(f"{url}: range {range!r} not satisfiable")
             wanted = (max(0, size + wanted), None)
         if wanted is not None:
             first, last = wanted
             options["range"] = {"offset": first} if last is None else (first, last + 1)
-        got = await self._call(url, loc.scheme, obstore.get_async, store, key, options=options)
+        got = await self._call(
+            url, loc.scheme, retry, obstore.get_async, store, key, options=options
+        )
         meta = _object_meta(loc.scheme, got.meta, got.attributes)
         if if_match and meta.etag != if_match:
             raise ObjectChanged(f"{url}: ETag changed from {if_match} to {meta.etag}")
@@ -342,7 +357,10 @@ class CloudTransport:
     """The upstream layer's requests answered by GCS or Azure: HEAD, GET with ``Range``
     and ``If-Match`` (a validator in ``If-Range`` is sent as ``If-Match``, so a replaced
     object answers 412, as the S3 transport does). URLs are the proxy's canonical ones
-    (key segments percent-encoded)."""
+    (key segments percent-encoded). Every request here is one try
+    (:data:`~proxy.upstream.options.NO_RETRY`): the upstream layer retries it with the
+    daemon's one policy, so a throttled request is retried in one loop and ``--retries``
+    counts its tries, as for S3."""
 
     def __init__(self, cloud: CloudUpstream, threads: Any = None) -> None:
         self.cloud = cloud
@@ -376,7 +394,7 @@ class CloudTransport:
         if if_match is None and (headers.get("If-Range") or "").startswith('"'):
             if_match = headers["If-Range"]
         if method == "HEAD" or "If-None-Match" in headers:
-            meta = await self.cloud.head(url, if_match=if_match, quoted=True)
+            meta = await self.cloud.head(url, if_match=if_match, quoted=True, retry=NO_RETRY)
             if headers.get("If-None-Match") in (meta.etag, "*"):
                 return CloudResponse(url, scheme, 304, meta, 0, 0)
             return CloudResponse(url, scheme, 200, meta, 0, meta.size or 0)
@@ -388,9 +406,11 @@ class CloudTransport:
                 pinned = {**headers, **({"If-Match": if_match} if if_match else {})}
                 return await self._threaded_get(signed, url, pinned)
         try:
-            return await self.cloud.open(url, headers.get("Range"), if_match, quoted=True)
+            return await self.cloud.open(
+                url, headers.get("Range"), if_match, quoted=True, retry=NO_RETRY
+            )
         except RangeNotSatisfiable:
-            meta = await self.cloud.head(url, if_match=if_match, quoted=True)
+            meta = await self.cloud.head(url, if_match=if_match, quoted=True, retry=NO_RETRY)
             return CloudResponse(url, scheme, 416, meta, 0, 0)
         except ObjectChanged:
             return CloudResponse(url, scheme, 412, ObjectMeta(size=None), 0, 0)

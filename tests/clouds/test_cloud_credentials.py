@@ -326,3 +326,33 @@ def test_azure_refused_credentials_are_403_and_never_shown(azurite, tmp_path, ho
     assert b"AZURE_STORAGE_ACCOUNT_KEY" in body and b"AZURE_STORAGE_SAS_TOKEN" in body
     assert secret not in log and secret.encode() not in body
     assert "sig=" not in log and b"sig=" not in body
+
+
+@pytest.mark.parametrize("transport", ["threads", "aiohttp"])
+def test_gcs_retries_count_each_try_once(gate, tmp_path, transport):
+    """A throttled gs:// request is retried by one loop: ``--retries N`` means N more
+    tries of each request the proxy makes, not N more of each of N more."""
+    asked = []
+    for retries in (0, 1):
+        gate.busy = 1000  # always "slow down"
+        gate.verified.clear()
+        p = _Proxy(
+            tmp_path / f"cache{retries}",
+            "--upstream",
+            f"data=gs://{BUCKET}/shards",
+            "--gcs-endpoint-url",
+            gate.url,
+            "--http-transport",
+            transport,
+            "--retries",
+            str(retries),
+            env=_clean_env(GOOGLE_APPLICATION_CREDENTIALS=str(gate.key_file)),
+        ).start()
+        try:
+            status, _ = _get(p.url + "/data/small.tar")
+        finally:
+            p.stop()
+        assert status >= 500, status
+        asked.append(len(gate.verified))
+    assert asked[0] > 0, asked
+    assert asked[1] == 2 * asked[0], asked
