@@ -39,6 +39,7 @@ from proxy.policy import (
 from proxy.sendfile import send_file
 from proxy.upstream import ObjectMeta
 from proxy.upstream.resume import can_resume
+from shardcache.compat import delimit_by_close
 from shardcache.errors import (
     IncompleteDownloadError,
     ProxyError,
@@ -123,7 +124,13 @@ async def _answer(
         if extra:
             resp.headers.update(extra)
         if end is not None:
-            resp.content_length = end - start  # else chunked
+            resp.content_length = end - start
+        elif meta.close_delimited and request.method != "HEAD":
+            # the upstream's body ends where its connection ends, which cannot tell its
+            # end from a cut: so does this one (a chunked end would vouch for bytes
+            # nobody can vouch for); a cut seen as one still resets the connection
+            delimit_by_close(resp)
+        # else chunked
         request[T_RESP] = resp
         await resp.prepare(request)
         if request.method == "HEAD" or start == end:

@@ -20,6 +20,8 @@ from proxy.context import (
     _waited,
 )
 from proxy.decide import XCache
+from proxy.upstream.aio import ConnectionEnd, framed_by_close, watching_connector
+from shardcache.compat import delimit_by_close
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ async def _forward(request: web.Request, port: int) -> web.StreamResponse | None
         session = request.app[RUNTIME].peers = aiohttp.ClientSession(
             auto_decompress=False,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=None),
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=watching_connector(limit=0),
             skip_auto_headers=("Accept-Encoding", "User-Agent"),
         )
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
@@ -72,8 +74,12 @@ async def _forward(request: web.Request, port: int) -> web.StreamResponse | None
         if out.get("X-Cache") == XCache.MISS:
             out["X-Cache"] = XCache.COALESCED  # this client joined another's download
         resp = web.StreamResponse(status=peer.status, reason=peer.reason, headers=out)
+        by_close = request.method != "HEAD" and framed_by_close(peer.headers)
         if "Content-Length" in peer.headers:
             resp.content_length = int(peer.headers["Content-Length"])
+        elif by_close:
+            delimit_by_close(resp)  # as the owner ends it: by closing, FIN or reset
+        ended = ConnectionEnd(peer)
         request[T_RESP] = resp
         await resp.prepare(request)
         if request.method == "HEAD":
@@ -96,6 +102,11 @@ async def _forward(request: web.Request, port: int) -> web.StreamResponse | None
             log.warning(
                 "aborting %s %s: worker answer cut: %s", request.method, request.raw_path, exc
             )
+            _abort_client(request)
+            return resp
+        if by_close and ended.error is not None:
+            # the owner reset a body framed by its close (aiohttp reads that as its end)
+            log.warning("aborting %s %s: worker answer reset", request.method, request.raw_path)
             _abort_client(request)
             return resp
         await resp.write_eof()
