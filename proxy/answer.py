@@ -33,6 +33,7 @@ from proxy.inflight import Download, DownloadFailed, State
 from proxy.policy import (
     ByteRange,
     conditional_status,
+    confine,
     parse_range,
     range_applies,
 )
@@ -111,6 +112,7 @@ async def _answer(
                 status, start, end = 206, brange.start, brange.end + 1
                 own["Content-Range"] = brange.content_range
             headers = _with_fields(meta, own, None, whole=brange is None)
+            confine(headers)
             extra = None
         if body.data is not None:
             resp: web.StreamResponse = web.Response(
@@ -179,7 +181,8 @@ def _with_fields(
 def whole_headers(meta: ObjectMeta, cache: str, extra: tuple[str, ...]) -> CIMultiDict[str]:
     """The headers of every 200 answer of the whole object ``meta`` with X-Cache
     ``cache``, but for the fields named in ``extra`` (each answer's own, added to a copy):
-    what :func:`_answer` builds for such an answer, made once per entry."""
+    what :func:`_answer` builds for such an answer (confined: bytes from an upstream
+    never run as a page of the proxy's origin), made once per entry."""
     own = {"X-Cache": str(cache), "Accept-Ranges": "bytes"}
     if meta.etag:
         own["ETag"] = meta.etag
@@ -190,6 +193,7 @@ def whole_headers(meta: ObjectMeta, cache: str, extra: tuple[str, ...]) -> CIMul
     headers = _with_fields(meta, own, None)
     for name in extra:
         del headers[name]
+    confine(headers)
     return headers
 
 

@@ -33,7 +33,7 @@ from aiohttp import web
 from proxy.config import Settings
 from proxy.context import FETCHER, SETTINGS, T_BYTES, T_RESP, _abort_client
 from proxy.decide import XCache
-from proxy.policy import Upstream, end_to_end_headers, forwarded_fields, map_request
+from proxy.policy import Upstream, confine, end_to_end_headers, forwarded_fields, map_request
 from proxy.upstream.aio import USER_AGENT, ConnectionEnd, framed_by_close, watching_connector
 from proxy.upstream.redirects import check_target
 from shardcache.compat import delimit_by_close
@@ -148,6 +148,7 @@ async def _answer(request: web.Request, resp: aiohttp.ClientResponse) -> web.Str
         if k.lower() not in _NOT_PASSED:
             out.headers.add(k, v)
     out.headers["X-Cache"] = XCache.BYPASS
+    confine(out.headers)  # the upstream's bytes never run as a page of the proxy's origin
     request[T_RESP] = out  # a cut at shutdown aborts the connection once it is prepared
     if status != resp.status:
         out.headers["X-Shardcache-Error"] = "the upstream refused the proxy's credentials (401)"

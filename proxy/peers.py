@@ -9,6 +9,7 @@ import os
 import time
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 from proxy.context import (
     FORWARDED,
@@ -70,7 +71,9 @@ async def _forward(request: web.Request, port: int) -> web.StreamResponse | None
     finally:
         _waited(request, since)
     async with peer:
-        out = {k: v for k, v in peer.headers.items() if k.lower() not in _HOP_BY_HOP}
+        # a multidict: a field sent more than once (the origin's Content-Security-Policy
+        # beside the proxy's own) goes on as often
+        out = CIMultiDict((k, v) for k, v in peer.headers.items() if k.lower() not in _HOP_BY_HOP)
         if out.get("X-Cache") == XCache.MISS:
             out["X-Cache"] = XCache.COALESCED  # this client joined another's download
         resp = web.StreamResponse(status=peer.status, reason=peer.reason, headers=out)
