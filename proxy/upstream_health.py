@@ -37,7 +37,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from proxy.inflight import Download, Inflight, State
-from proxy.logs import redact
+from proxy.logs import Redactor, url_secrets
 from proxy.upstream import Fetcher
 from shardcache.errors import (
     CacheError,
@@ -172,11 +172,23 @@ def display(upstream: str) -> str:
     return f"{head}{sep}{netloc.rpartition('@')[2]}{slash}{path}"
 
 
-def _message(exc: BaseException) -> str:
-    """One line about ``exc`` fit for anyone to read: credentials and signed query
-    parameters redacted, userinfo dropped, clipped."""
+# redacts a message: its text, and the values (the URL's own secrets) to redact wherever
+# they appear beside the configured secrets
+Redacting = Callable[[str, Sequence[str]], str]
+
+
+def _shapes(text: str, extra: Sequence[str]) -> str:
+    """Redaction without the configured secrets: ``extra`` by value, then by shape."""
+    return Redactor(extra)(text)
+
+
+def _message(exc: BaseException, url: str = "", redacting: Redacting = _shapes) -> str:
+    """One line about ``exc`` (a failure of ``url``) fit for anyone to read: every
+    configured secret and every credential value of ``url`` (a presigned signature,
+    a password) redacted by value wherever it appears, credentials of a known shape
+    redacted, userinfo dropped, clipped."""
     text = " ".join(str(exc).split()) or type(exc).__name__
-    text = re.sub(r"://[^/\s@'\"]*@", "://", redact(text))
+    text = re.sub(r"://[^/\s@'\"]*@", "://", redacting(text, url_secrets(url)))
     return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 3] + "..."
 
 
@@ -229,6 +241,7 @@ class UpstreamHealth:
         *,
         interval: float = WARN_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
+        redacting: Redacting | None = None,
     ) -> None:
         # (base URL, label) longest base first: a URL belongs to the longest base it is under
         self._bases = sorted(
@@ -239,6 +252,9 @@ class UpstreamHealth:
         self.counter = counter  # shardcache_upstream_failures_total{upstream,reason}
         self.interval = interval
         self.clock = clock
+        # how a kept message is redacted: the daemon's secrets by value
+        # (:class:`proxy.logs.SecretsRedactor`), else by shape and the URL's own values
+        self.redacting: Redacting = redacting or _shapes
         self._records: dict[str, _Upstream] = {label: _Upstream(label) for _, label in self._bases}
         self._seen: weakref.WeakSet[BaseException] = weakref.WeakSet()
 
@@ -283,7 +299,7 @@ class UpstreamHealth:
             return None
         rec = self._record(url)
         rec.failures[reason] = rec.failures.get(reason, 0) + 1
-        message = _message(exc)
+        message = _message(exc, url, self.redacting)
         now = self.clock()
         rec.last_error = {"reason": reason, "message": message, "at": _iso(time.time())}
         rec.events += 1
