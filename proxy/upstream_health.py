@@ -4,7 +4,8 @@ startup.
 
 The upstream layer raises errors; this module only watches them go by. It is fed by
 :class:`WatchedFetcher` (every request the application makes of an upstream: opening a
-body, HEAD, a ranged read, a revalidation, an end probe) and by :class:`WatchedInflight`
+body, HEAD, a client's ranged read, a read of bytes beside a download (``read_range``),
+a revalidation, a close-delimited body's end probe (``probe_end``)) and by :class:`WatchedInflight`
 (every download's end, which sees the failures that happen after the body opened: a cut
 past the retries, a digest mismatch). An error seen by both is counted once.
 
@@ -31,14 +32,15 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 from proxy.inflight import Download, Inflight, State
 from proxy.logs import Redactor, url_secrets
-from proxy.upstream import Fetcher
+from proxy.upstream import Fetcher, ObjectMeta
+from proxy.upstream.resume import can_resume
 from shardcache.errors import (
     CacheError,
     DigestMismatch,
@@ -396,6 +398,47 @@ class WatchedFetcher(Fetcher):
         try:
             out = await super().revalidate(url, *args, **kwargs)
         except BaseException as exc:
+            self._failed(url, exc)
+            raise
+        self._ok(url)
+        return out
+
+    async def read_range(
+        self, url: str, start: int, end: int | None, *, meta: ObjectMeta
+    ) -> AsyncIterator[bytes]:
+        """Bytes of a version read from the upstream beside its download (a range far
+        ahead of it, the rest of a client's range once the store gave up): counted when
+        the read fails, however far it got; an answer when it ends. Not counted: a read
+        the upstream was never asked for (no validator to continue with) and a reader
+        that stopped early."""
+        if start and not can_resume(meta):
+            async for chunk in super().read_range(url, start, end, meta=meta):
+                yield chunk  # it raises before asking: nothing about the upstream
+            return
+        try:
+            async for chunk in super().read_range(url, start, end, meta=meta):
+                yield chunk
+        except (GeneratorExit, asyncio.CancelledError):
+            raise
+        except BaseException as exc:
+            self._failed(url, exc)
+            raise
+        self._ok(url)
+
+    async def probe_end(self, url: str, meta: ObjectMeta, n: int) -> tuple[int | None, bytes]:
+        """The ranged probe of a close-delimited body's end: a failure to answer
+        (refused, reset, timed out, an error status, a cut) counts like any other. An
+        upstream that answered but cannot confirm (no validator to pin the probe, Range
+        ignored, another version) is no failure: it answered."""
+        if not can_resume(meta):
+            return await super().probe_end(url, meta, n)  # raises before asking
+        try:
+            out = await super().probe_end(url, meta, n)
+        except BaseException as exc:
+            if classify(exc) in (None, "other"):
+                if isinstance(exc, ProxyError):
+                    self._ok(url)  # an answer, only not one that confirms
+                raise
             self._failed(url, exc)
             raise
         self._ok(url)
