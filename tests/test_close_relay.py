@@ -14,6 +14,7 @@ Hub's API paths), on the threads and aiohttp transports.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -71,29 +72,34 @@ class Wire:
 def get(port: int, path: str, method: str = "GET") -> Wire:
     """``method path`` over HTTP/1.1 on a fresh connection, read until the connection
     ends (or, for a length-framed or chunked answer kept alive, until it is complete)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        return ask(s, path, method)
+
+
+def ask(s: socket.socket, path: str, method: str = "GET") -> Wire:
+    """``method path`` on the open connection ``s``, read as :func:`get` says."""
     raw = b""
     ended = "timeout"
-    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
-        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-        deadline = time.monotonic() + 30
-        try:
-            while time.monotonic() < deadline:
-                piece = s.recv(1 << 16)
-                if not piece:
-                    ended = "close"
-                    break
-                raw += piece
-                if method == "HEAD" and b"\r\n\r\n" in raw:
-                    ended = "open"
-                    break
-                w = _parse(raw, "open")
-                if w is not None and w.framing != "close" and w.complete:
-                    ended = "open"
-                    break
-        except ConnectionResetError:
-            ended = "reset"
-        except OSError as exc:
-            ended = repr(exc)
+    s.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            piece = s.recv(1 << 16)
+            if not piece:
+                ended = "close"
+                break
+            raw += piece
+            if method == "HEAD" and b"\r\n\r\n" in raw:
+                ended = "open"
+                break
+            w = _parse(raw, "open")
+            if w is not None and w.framing != "close" and w.complete:
+                ended = "open"
+                break
+    except ConnectionResetError:
+        ended = "reset"
+    except OSError as exc:
+        ended = repr(exc)
     w = _parse(raw, ended)
     assert w is not None, f"no answer head ({ended}): {raw[:200]!r}"
     return w
@@ -274,3 +280,58 @@ def test_a_passed_through_body_ends_as_the_origin_ended_it(origin, proxy, how):
         assert w.ended == "reset", "an upstream reset relayed as a clean end: " + w.describe()
     else:
         assert w.ended == "close" and w.body == (data if cut is None else data[:cut]), w.describe()
+
+
+def _pin_workers(port: int, workers: int = 2, tries: int = 200) -> dict[int, socket.socket]:
+    """One open connection to each worker (a connection stays with the worker that
+    accepted it, which ``/-/stats`` names): {pid: socket}."""
+    pinned: dict[int, socket.socket] = {}
+    for _ in range(tries):
+        s = socket.create_connection(("127.0.0.1", port), timeout=20)
+        w = ask(s, "/-/stats")
+        pid = json.loads(w.body)["pid"]
+        if pid in pinned or w.ended != "open":
+            s.close()
+        else:
+            pinned[pid] = s
+        if len(pinned) == workers:
+            return pinned
+    for s in pinned.values():
+        s.close()
+    raise AssertionError(f"{tries} connections reached {len(pinned)} workers")
+
+
+@pytest.mark.parametrize("how", ["whole", "rst"])
+def test_a_client_of_another_workers_download(origin, proxies, transport, how):
+    """``--workers 2``: a client on the worker that does not download is answered by
+    the one that does, over loopback, and relayed: close-delimited as the upstream's
+    body was, its reset relayed as a reset (no validator: nothing can resume it)."""
+    data = os.urandom(SIZE)
+    origin.add(
+        "/w.tar",
+        versions=[Version(data)],
+        framing="close",
+        rate=1 << 20,
+        cut_at=CUT if how == "rst" else None,
+        cut_mode="rst",
+    )
+    p = proxies("--upstream", origin.url, "--workers", "2", *COMMON, *TRANSPORTS[transport])
+    pinned = list(_pin_workers(p.port).values())
+    got: dict[int, Wire] = {}
+    try:
+        first = threading.Thread(target=lambda: got.__setitem__(0, ask(pinned[0], "/w.tar")))
+        first.start()
+        for _ in range(100):  # until the first worker's download has begun
+            if origin.log("/w.tar", "GET"):
+                break
+            time.sleep(0.02)
+        time.sleep(0.1)
+        got[1] = ask(pinned[1], "/w.tar")
+        first.join(30)
+    finally:
+        for s in pinned:
+            s.close()
+    assert got[1].headers.get("x-cache") == "COALESCED", got[1].describe()
+    assert len(origin.log("/w.tar", "GET")) == 1
+    for w in got.values():
+        assert_by_close(w, data, cut=how == "rst", how="rst" if how == "rst" else "close")
