@@ -5,9 +5,10 @@ startup.
 The upstream layer raises errors; this module only watches them go by. It is fed by
 :class:`WatchedFetcher` (every request the application makes of an upstream: opening a
 body, HEAD, a client's ranged read, a read of bytes beside a download (``read_range``),
-a revalidation, a close-delimited body's end probe (``probe_end``)) and by :class:`WatchedInflight`
-(every download's end, which sees the failures that happen after the body opened: a cut
-past the retries, a digest mismatch). An error seen by both is counted once.
+a revalidation, a close-delimited body's end probe (``probe_end``)) and by
+:class:`WatchedInflight` (every download's end, which sees the failures that happen after
+the body opened: a cut past the retries, a digest mismatch). An error seen by both is
+counted once.
 
 Reasons are a small fixed set (:data:`REASONS`) and the upstream label is one of the
 configured upstreams (or ``scheme://host`` of an ``--allow-host`` URL, at most
@@ -435,7 +436,8 @@ class WatchedFetcher(Fetcher):
         try:
             out = await super().probe_end(url, meta, n)
         except BaseException as exc:
-            if classify(exc) in (None, "other"):
+            reason = classify(exc)
+            if reason is None or (reason == "other" and isinstance(exc, ProxyError)):
                 if isinstance(exc, ProxyError):
                     self._ok(url)  # an answer, only not one that confirms
                 raise
