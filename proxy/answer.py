@@ -33,12 +33,14 @@ from proxy.inflight import Download, DownloadFailed, State
 from proxy.policy import (
     ByteRange,
     conditional_status,
+    confine,
     parse_range,
     range_applies,
 )
 from proxy.sendfile import send_file
 from proxy.upstream import ObjectMeta
 from proxy.upstream.resume import can_resume
+from shardcache.compat import delimit_by_close
 from shardcache.errors import (
     IncompleteDownloadError,
     ProxyError,
@@ -110,6 +112,7 @@ async def _answer(
                 status, start, end = 206, brange.start, brange.end + 1
                 own["Content-Range"] = brange.content_range
             headers = _with_fields(meta, own, None, whole=brange is None)
+            confine(headers)
             extra = None
         if body.data is not None:
             resp: web.StreamResponse = web.Response(
@@ -123,7 +126,13 @@ async def _answer(
         if extra:
             resp.headers.update(extra)
         if end is not None:
-            resp.content_length = end - start  # else chunked
+            resp.content_length = end - start
+        elif meta.close_delimited and request.method != "HEAD":
+            # the upstream's body ends where its connection ends, which cannot tell its
+            # end from a cut: so does this one (a chunked end would vouch for bytes
+            # nobody can vouch for); a cut seen as one still resets the connection
+            delimit_by_close(resp)
+        # else chunked
         request[T_RESP] = resp
         await resp.prepare(request)
         if request.method == "HEAD" or start == end:
@@ -172,7 +181,8 @@ def _with_fields(
 def whole_headers(meta: ObjectMeta, cache: str, extra: tuple[str, ...]) -> CIMultiDict[str]:
     """The headers of every 200 answer of the whole object ``meta`` with X-Cache
     ``cache``, but for the fields named in ``extra`` (each answer's own, added to a copy):
-    what :func:`_answer` builds for such an answer, made once per entry."""
+    what :func:`_answer` builds for such an answer (confined: bytes from an upstream
+    never run as a page of the proxy's origin), made once per entry."""
     own = {"X-Cache": str(cache), "Accept-Ranges": "bytes"}
     if meta.etag:
         own["ETag"] = meta.etag
@@ -183,6 +193,7 @@ def whole_headers(meta: ObjectMeta, cache: str, extra: tuple[str, ...]) -> CIMul
     headers = _with_fields(meta, own, None)
     for name in extra:
         del headers[name]
+    confine(headers)
     return headers
 
 

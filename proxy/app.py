@@ -51,6 +51,7 @@ from proxy.credentials import Credentials
 from proxy.daemonstore import DaemonStore
 from proxy.hits import HitTier
 from proxy.inflight import Download
+from proxy.logs import SecretsRedactor
 from proxy.metrics import ProxyMetrics
 from proxy.observe import (
     _observe,
@@ -147,7 +148,11 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
     app[SETTINGS] = settings
     app[METRICS] = ProxyMetrics()
     app[RUNTIME] = Runtime(sendfile=sendfile)
-    app[UPSTREAM_HEALTH] = UpstreamHealth(settings.upstreams, app[METRICS].upstream_failures)
+    app[UPSTREAM_HEALTH] = UpstreamHealth(
+        settings.upstreams,
+        app[METRICS].upstream_failures,
+        redacting=SecretsRedactor(settings),  # kept messages name no configured secret
+    )
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_on_shutdown)
     prom = make_aiohttp_handler(app[METRICS].exposed, disable_compression=True)

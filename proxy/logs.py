@@ -31,9 +31,19 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
-from urllib.parse import quote, quote_plus, urlsplit
+from urllib.parse import quote, quote_plus, unquote_plus, urlsplit
 
-__all__ = ["PER_SECOND", "ClientErrors", "Formatter", "Redact", "clip", "install", "redact"]
+__all__ = [
+    "PER_SECOND",
+    "ClientErrors",
+    "Formatter",
+    "Redact",
+    "SecretsRedactor",
+    "clip",
+    "install",
+    "redact",
+    "url_secrets",
+]
 
 REDACTED = "[REDACTED]"
 PER_SECOND = 5  # lines a second per kind of malformed request; the rest are counted
@@ -279,6 +289,49 @@ def secrets_of(settings: object) -> list[str]:
         except (ValueError, AttributeError):  # unreadable now: its shape still redacts it
             pass
     return found
+
+
+def url_secrets(url: str) -> list[str]:
+    """The credential values ``url`` carries: the password of its userinfo and the
+    values of its credential parameters (a presigned URL's signature, credential and
+    token...), as written and decoded, so that a message naming them apart from their
+    parameter (an origin echoing its query) can have them redacted by value."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return []
+    found = [password, unquote_plus(password)] if password else []
+    for pair in re.split(r"[&;]", parts.query):
+        name, eq, value = pair.partition("=")
+        if eq and value and unquote_plus(name).lower() in _PARAM_NAMES:
+            found += [value, unquote_plus(value)]
+    return found
+
+
+class SecretsRedactor:
+    """A :class:`Redactor` for messages the daemon keeps and shows (``/-/stats``,
+    ``/-/healthz``): the secrets of ``settings`` as they read now (a credential file
+    rotated since startup included, unlike the log filter's, which reads them once),
+    plus the ``extra`` values of each call (those of the URL a message is about), each
+    redacted by value wherever it appears, and every credential's shape. Remade only
+    when the secrets change; meant for failures, not for every request."""
+
+    def __init__(self, settings: object) -> None:
+        self.settings = settings
+        self.fields = [str(getattr(c, "header", "")) for c in _upstream_credentials(settings)]
+        self._key: tuple[str, ...] | None = None
+        self._redactor = Redactor()
+        self._lock = threading.Lock()
+
+    def __call__(self, text: str, extra: Iterable[str] = ()) -> str:
+        key = (*secrets_of(self.settings), *extra)
+        with self._lock:
+            if key != self._key:
+                self._redactor = Redactor(key, [f for f in self.fields if f])
+                self._key = key
+            redactor = self._redactor
+        return redactor(text)
 
 
 def _upstream_credentials(settings: object) -> list[Any]:

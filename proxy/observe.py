@@ -30,6 +30,7 @@ from proxy.context import (
 from proxy.decide import XCache
 from proxy.errormap import error_answer
 from proxy.logs import clip
+from proxy.policy import confine
 from proxy.s3front import S3_SERVICE_ROUTE
 from proxy.upstream.errors import PassedAnswer
 from shardcache.errors import ProxyError
@@ -52,6 +53,7 @@ def _passed(exc: ProxyError, answer: PassedAnswer, method: str) -> web.Response:
     headers["X-Shardcache-Error"] = " ".join(str(exc).split())[:512]
     if status < 400:
         headers["X-Cache"] = XCache.BYPASS  # a success that is not the object: passed, uncached
+    confine(headers)  # the upstream's body never runs as a page of the proxy's origin
     body = None if method == "HEAD" or status in (204, 304) else answer.body
     resp = web.Response(status=status, reason=answer.reason or None, body=body, headers=headers)
     if method == "HEAD" and answer.body:

@@ -13,7 +13,11 @@ The rules of every upstream request hold here too: the client's end-to-end field
 but not its credentials; the proxy's own credentials for the upstream go to the
 upstream's host only; redirects are followed inside the proxy to safe targets only
 (:func:`proxy.upstream.redirects.check_target`); a body cut short by the upstream breaks
-the client's connection instead of ending cleanly.
+the client's connection instead of ending cleanly. A body the upstream ends by closing
+its connection (no Content-Length, not chunked) is passed on the same way, ended by
+closing the client's connection (an orderly close for an orderly close, a reset for a
+reset): the proxy cannot tell such a body's end from a cut, so it claims no more than
+the upstream did.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ from aiohttp import web
 from proxy.config import Settings
 from proxy.context import FETCHER, SETTINGS, T_BYTES, T_RESP, _abort_client
 from proxy.decide import XCache
-from proxy.policy import Upstream, end_to_end_headers, forwarded_fields, map_request
-from proxy.upstream.aio import USER_AGENT
+from proxy.policy import Upstream, confine, end_to_end_headers, forwarded_fields, map_request
+from proxy.upstream.aio import USER_AGENT, ConnectionEnd, framed_by_close, watching_connector
 from proxy.upstream.redirects import check_target
+from shardcache.compat import delimit_by_close
 from shardcache.errors import MethodNotAllowed, ProxyError, UpstreamError
 
 __all__ = ["MAX_BODY", "mapped", "on_paths", "METHODS", "is_uncached", "pass_through"]
@@ -97,7 +102,9 @@ async def pass_through(request: web.Request, url: str) -> web.StreamResponse:
     fields.pop("Content-Length", None)
     method, target = request.method, url
     timeout = aiohttp.ClientTimeout(sock_connect=s.connect_timeout, sock_read=s.read_timeout)
-    async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session:
+    async with aiohttp.ClientSession(
+        timeout=timeout, auto_decompress=False, connector=watching_connector()
+    ) as session:
         for _hop in range(fetcher.redirects.max_hops + 1):
             try:
                 creds = fetcher.credentials.headers_for(target) if fetcher.credentials else {}
@@ -141,6 +148,7 @@ async def _answer(request: web.Request, resp: aiohttp.ClientResponse) -> web.Str
         if k.lower() not in _NOT_PASSED:
             out.headers.add(k, v)
     out.headers["X-Cache"] = XCache.BYPASS
+    confine(out.headers)  # the upstream's bytes never run as a page of the proxy's origin
     request[T_RESP] = out  # a cut at shutdown aborts the connection once it is prepared
     if status != resp.status:
         out.headers["X-Shardcache-Error"] = "the upstream refused the proxy's credentials (401)"
@@ -151,8 +159,14 @@ async def _answer(request: web.Request, resp: aiohttp.ClientResponse) -> web.Str
         await out.prepare(request)
         await out.write_eof()
         return out
+    by_close = framed_by_close(resp.headers)
     if length is not None and length.isdigit():
         out.content_length = int(length)
+    elif by_close:
+        # ended by the upstream's close, which cannot tell a cut from the end: so is
+        # this answer (a chunked end would vouch for it); an upstream reset resets it
+        delimit_by_close(out)
+    ended = ConnectionEnd(resp)
     await out.prepare(request)
     try:
         async for chunk in resp.content.iter_chunked(1 << 16):
@@ -160,6 +174,10 @@ async def _answer(request: web.Request, resp: aiohttp.ClientResponse) -> web.Str
             request[T_BYTES] += len(chunk)
     except (aiohttp.ClientError, TimeoutError):
         _abort_client(request)  # a body cut short never ends cleanly
+        return out
+    if by_close and ended.error is not None:
+        # aiohttp reads a reset at the end of a close-delimited body as its end
+        _abort_client(request)
         return out
     await out.write_eof()
     return out

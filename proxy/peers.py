@@ -9,6 +9,7 @@ import os
 import time
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 from proxy.context import (
     FORWARDED,
@@ -20,6 +21,8 @@ from proxy.context import (
     _waited,
 )
 from proxy.decide import XCache
+from proxy.upstream.aio import ConnectionEnd, framed_by_close, watching_connector
+from shardcache.compat import delimit_by_close
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ async def _forward(request: web.Request, port: int) -> web.StreamResponse | None
         session = request.app[RUNTIME].peers = aiohttp.ClientSession(
             auto_decompress=False,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=None),
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=watching_connector(limit=0),
             skip_auto_headers=("Accept-Encoding", "User-Agent"),
         )
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
@@ -68,12 +71,18 @@ async def _forward(request: web.Request, port: int) -> web.StreamResponse | None
     finally:
         _waited(request, since)
     async with peer:
-        out = {k: v for k, v in peer.headers.items() if k.lower() not in _HOP_BY_HOP}
+        # a multidict: a field sent more than once (the origin's Content-Security-Policy
+        # beside the proxy's own) goes on as often
+        out = CIMultiDict((k, v) for k, v in peer.headers.items() if k.lower() not in _HOP_BY_HOP)
         if out.get("X-Cache") == XCache.MISS:
             out["X-Cache"] = XCache.COALESCED  # this client joined another's download
         resp = web.StreamResponse(status=peer.status, reason=peer.reason, headers=out)
+        by_close = request.method != "HEAD" and framed_by_close(peer.headers)
         if "Content-Length" in peer.headers:
             resp.content_length = int(peer.headers["Content-Length"])
+        elif by_close:
+            delimit_by_close(resp)  # as the owner ends it: by closing, FIN or reset
+        ended = ConnectionEnd(peer)
         request[T_RESP] = resp
         await resp.prepare(request)
         if request.method == "HEAD":
@@ -96,6 +105,11 @@ async def _forward(request: web.Request, port: int) -> web.StreamResponse | None
             log.warning(
                 "aborting %s %s: worker answer cut: %s", request.method, request.raw_path, exc
             )
+            _abort_client(request)
+            return resp
+        if by_close and ended.error is not None:
+            # the owner reset a body framed by its close (aiohttp reads that as its end)
+            log.warning("aborting %s %s: worker answer reset", request.method, request.raw_path)
             _abort_client(request)
             return resp
         await resp.write_eof()

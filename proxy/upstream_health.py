@@ -4,9 +4,11 @@ startup.
 
 The upstream layer raises errors; this module only watches them go by. It is fed by
 :class:`WatchedFetcher` (every request the application makes of an upstream: opening a
-body, HEAD, a ranged read, a revalidation, an end probe) and by :class:`WatchedInflight`
-(every download's end, which sees the failures that happen after the body opened: a cut
-past the retries, a digest mismatch). An error seen by both is counted once.
+body, HEAD, a client's ranged read, a read of bytes beside a download (``read_range``),
+a revalidation, a close-delimited body's end probe (``probe_end``)) and by
+:class:`WatchedInflight` (every download's end, which sees the failures that happen after
+the body opened: a cut past the retries, a digest mismatch). An error seen by both is
+counted once.
 
 Reasons are a small fixed set (:data:`REASONS`) and the upstream label is one of the
 configured upstreams (or ``scheme://host`` of an ``--allow-host`` URL, at most
@@ -31,14 +33,15 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 from proxy.inflight import Download, Inflight, State
-from proxy.logs import redact
-from proxy.upstream import Fetcher
+from proxy.logs import Redactor, url_secrets
+from proxy.upstream import Fetcher, ObjectMeta
+from proxy.upstream.resume import can_resume
 from shardcache.errors import (
     CacheError,
     DigestMismatch,
@@ -172,11 +175,23 @@ def display(upstream: str) -> str:
     return f"{head}{sep}{netloc.rpartition('@')[2]}{slash}{path}"
 
 
-def _message(exc: BaseException) -> str:
-    """One line about ``exc`` fit for anyone to read: credentials and signed query
-    parameters redacted, userinfo dropped, clipped."""
+# redacts a message: its text, and the values (the URL's own secrets) to redact wherever
+# they appear beside the configured secrets
+Redacting = Callable[[str, Sequence[str]], str]
+
+
+def _shapes(text: str, extra: Sequence[str]) -> str:
+    """Redaction without the configured secrets: ``extra`` by value, then by shape."""
+    return Redactor(extra)(text)
+
+
+def _message(exc: BaseException, url: str = "", redacting: Redacting = _shapes) -> str:
+    """One line about ``exc`` (a failure of ``url``) fit for anyone to read: every
+    configured secret and every credential value of ``url`` (a presigned signature,
+    a password) redacted by value wherever it appears, credentials of a known shape
+    redacted, userinfo dropped, clipped."""
     text = " ".join(str(exc).split()) or type(exc).__name__
-    text = re.sub(r"://[^/\s@'\"]*@", "://", redact(text))
+    text = re.sub(r"://[^/\s@'\"]*@", "://", redacting(text, url_secrets(url)))
     return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 3] + "..."
 
 
@@ -229,6 +244,7 @@ class UpstreamHealth:
         *,
         interval: float = WARN_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
+        redacting: Redacting | None = None,
     ) -> None:
         # (base URL, label) longest base first: a URL belongs to the longest base it is under
         self._bases = sorted(
@@ -239,6 +255,9 @@ class UpstreamHealth:
         self.counter = counter  # shardcache_upstream_failures_total{upstream,reason}
         self.interval = interval
         self.clock = clock
+        # how a kept message is redacted: the daemon's secrets by value
+        # (:class:`proxy.logs.SecretsRedactor`), else by shape and the URL's own values
+        self.redacting: Redacting = redacting or _shapes
         self._records: dict[str, _Upstream] = {label: _Upstream(label) for _, label in self._bases}
         self._seen: weakref.WeakSet[BaseException] = weakref.WeakSet()
 
@@ -283,7 +302,7 @@ class UpstreamHealth:
             return None
         rec = self._record(url)
         rec.failures[reason] = rec.failures.get(reason, 0) + 1
-        message = _message(exc)
+        message = _message(exc, url, self.redacting)
         now = self.clock()
         rec.last_error = {"reason": reason, "message": message, "at": _iso(time.time())}
         rec.events += 1
@@ -380,6 +399,48 @@ class WatchedFetcher(Fetcher):
         try:
             out = await super().revalidate(url, *args, **kwargs)
         except BaseException as exc:
+            self._failed(url, exc)
+            raise
+        self._ok(url)
+        return out
+
+    async def read_range(
+        self, url: str, start: int, end: int | None, *, meta: ObjectMeta
+    ) -> AsyncIterator[bytes]:
+        """Bytes of a version read from the upstream beside its download (a range far
+        ahead of it, the rest of a client's range once the store gave up): counted when
+        the read fails, however far it got; an answer when it ends. Not counted: a read
+        the upstream was never asked for (no validator to continue with) and a reader
+        that stopped early."""
+        if start and not can_resume(meta):
+            async for chunk in super().read_range(url, start, end, meta=meta):
+                yield chunk  # it raises before asking: nothing about the upstream
+            return
+        try:
+            async for chunk in super().read_range(url, start, end, meta=meta):
+                yield chunk
+        except (GeneratorExit, asyncio.CancelledError):
+            raise
+        except BaseException as exc:
+            self._failed(url, exc)
+            raise
+        self._ok(url)
+
+    async def probe_end(self, url: str, meta: ObjectMeta, n: int) -> tuple[int | None, bytes]:
+        """The ranged probe of a close-delimited body's end: a failure to answer
+        (refused, reset, timed out, an error status, a cut) counts like any other. An
+        upstream that answered but cannot confirm (no validator to pin the probe, Range
+        ignored, another version) is no failure: it answered."""
+        if not can_resume(meta):
+            return await super().probe_end(url, meta, n)  # raises before asking
+        try:
+            out = await super().probe_end(url, meta, n)
+        except BaseException as exc:
+            reason = classify(exc)
+            if reason is None or (reason == "other" and isinstance(exc, ProxyError)):
+                if isinstance(exc, ProxyError):
+                    self._ok(url)  # an answer, only not one that confirms
+                raise
             self._failed(url, exc)
             raise
         self._ok(url)

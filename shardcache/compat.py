@@ -47,6 +47,7 @@ __all__ = [
     "PROBES",
     "SubParsersAction",
     "add_writer",
+    "delimit_by_close",
     "parser_actions",
     "probe_all",
     "remove_writer",
@@ -154,6 +155,32 @@ def _probe_connector_factory() -> None:
             await connector.close()
 
     _in_fresh_loop(make)
+
+
+_BY_CLOSE = "to end an answer as its upstream's did, by closing the connection"
+
+
+def delimit_by_close(resp: Any) -> None:
+    """Make ``resp`` (an ``aiohttp.web.StreamResponse`` not yet prepared) a body framed by
+    the connection closing, on HTTP/1.1 too: no Content-Length, no chunked framing,
+    ``Connection: close``, the connection closed after its end. aiohttp frames a body of
+    unknown length so on HTTP/1.0 only; on 1.1 it always chunks, except where its length
+    check is off (as for its WebSockets). CompatError when that switch is missing."""
+    from aiohttp import web
+
+    if not isinstance(getattr(web.StreamResponse, "_length_check", None), bool):
+        raise _missing("aiohttp", "StreamResponse._length_check", _BY_CLOSE, AIOHTTP_RANGE)
+    resp._length_check = False
+    resp.force_close()
+
+
+def _probe_delimit_by_close() -> None:
+    from aiohttp import web
+
+    resp = web.StreamResponse()
+    delimit_by_close(resp)
+    if resp.keep_alive is not False or resp.chunked:
+        raise _missing("aiohttp", "StreamResponse._length_check", _BY_CLOSE, AIOHTTP_RANGE)
 
 
 # --------------------------------------------------------------------------- asyncio
@@ -331,6 +358,7 @@ def _probe_argparse() -> None:
 PROBES: dict[str, Callable[[], None]] = {
     "aiohttp ResponseHandler": _probe_response_handler,
     "aiohttp connector protocol": _probe_connector_factory,
+    "aiohttp close-delimited answers": _probe_delimit_by_close,
     "asyncio sendfile hooks": _probe_sendfile_hooks,
     "http.client interim answers": _probe_interim,
     "argparse internals": _probe_argparse,

@@ -27,6 +27,7 @@ INTERNALS = frozenset(
     {
         "_payload",
         "_factory",
+        "_length_check",
         "_loop",
         "_server",
         "_add_writer",
@@ -54,6 +55,7 @@ def test_every_probe_succeeds_on_the_installed_versions():
     assert set(compat.PROBES) >= {
         "aiohttp ResponseHandler",
         "aiohttp connector protocol",
+        "aiohttp close-delimited answers",
         "asyncio sendfile hooks",
         "http.client interim answers",
         "argparse internals",

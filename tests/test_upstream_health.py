@@ -7,15 +7,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 
 import pytest
 from proxy_helpers import ProxyProcess, free_port
+from support.faultclient import check_rule, fetch, settle, stats
+from support.origins import BadOrigin, Version
 from support.proxy import downloads_done
 from support.wait import until
 
@@ -233,3 +238,95 @@ async def test_failures_after_the_body_opened_are_counted_once(aiohttp_client, t
     assert m.labels(upstream=origin.url, reason="cut")._value.get() == 1
     r = await c.get("/-/healthz")
     assert r.status == 200 and f"upstream {origin.url}: down since" in await r.text()
+
+
+def _health(port: int) -> dict:
+    [u] = stats(port)["upstream_health"]
+    return u
+
+
+def test_a_failed_end_probe_counts_as_an_upstream_failure(tmp_path):
+    """A close-delimited body is confirmed by a ranged probe of its last byte before it
+    is cached; the upstream resetting that probe is a failure of the upstream like any
+    other (the body is served, not cached)."""
+    data = os.urandom(256 << 10)
+    with BadOrigin() as o:
+        o.add(
+            "/obj.tar",
+            versions=[Version(data, etag='"p-1"', last_modified="Mon, 01 Jan 2024 00:00:00 GMT")],
+            framing="close",
+            cut_at=len(data) - 1,  # the probe's one byte: never sent
+            cut_on="ranged",
+            cut_mode="rst",
+        )
+        p = ProxyProcess(
+            tmp_path / "cache", "--upstream", o.url, "--retries", "0", "--min-free", "0"
+        ).start()
+        try:
+            r = fetch(p.port, "/obj.tar")
+            assert r.status == 200 and r.body == data, r.describe()
+            assert settle(p)["entries"] == 0  # unconfirmed: not cached
+            probes = [g for g in o.log("/obj.tar", "GET") if g.range]
+            assert probes and probes[0].ended == "cut-rst", probes
+            u = _health(p.port)
+            assert sum(u["failures"].values()) == 1, u
+            assert set(u["failures"]) <= {"reset", "cut"}, u
+            assert "obj.tar" in u["last_error"]["message"], u
+            # no validator to pin a probe to: nothing is asked, nothing counted
+            o.add("/anon.tar", versions=[Version(data)], framing="close")
+            r = fetch(p.port, "/anon.tar")
+            assert r.status == 200 and r.body == data, r.describe()
+            settle(p)
+            assert not [g for g in o.log("/anon.tar", "GET") if g.range]
+            assert _health(p.port)["failures"] == u["failures"]
+        finally:
+            p.stop()
+
+
+def test_a_failed_read_ahead_of_a_download_counts_as_an_upstream_failure(tmp_path):
+    """A Range far ahead of a running download is read straight from the upstream
+    (``--cold-range fast``); that read failing (reset past its resumes) is a failure of
+    the upstream: counted, its message kept. The client of that range sees a broken
+    answer, never a clean short one."""
+    size = 6 << 20
+    start = 5 << 20
+    data = os.urandom(size)
+    with BadOrigin() as o:
+        o.add(
+            "/big.tar",
+            versions=[Version(data, etag='"b-1"', last_modified="Mon, 01 Jan 2024 00:00:00 GMT")],
+            rate=1 << 20,  # the download takes 6 s: the range stays far ahead of it
+            cut_at=start + (64 << 10),
+            cut_on="ranged",
+            cut_mode="rst",
+        )
+        p = ProxyProcess(
+            tmp_path / "cache",
+            "--upstream",
+            o.url,
+            "--retries",
+            "1",
+            "--min-free",
+            "0",
+            "--grace-period",
+            "1",
+        ).start()
+        whole = threading.Thread(target=fetch, args=(p.port, "/big.tar"), daemon=True)
+        try:
+            whole.start()
+            for _ in range(100):  # until the download is running
+                if o.log("/big.tar", "GET"):
+                    break
+                time.sleep(0.05)
+            time.sleep(0.2)
+            r = fetch(p.port, "/big.tar", headers={"Range": f"bytes={start}-{size - 1}"})
+            assert not check_rule(r, [data], range_start=start), r.describe()
+            ranged = [g for g in o.log("/big.tar", "GET") if g.range_start == start]
+            assert ranged, [g.range for g in o.log("/big.tar", "GET")]
+            u = _health(p.port)
+            assert sum(u["failures"].values()) >= 1, u
+            assert set(u["failures"]) <= {"reset", "cut"}, u
+            assert "big.tar" in u["last_error"]["message"], u
+        finally:
+            p.stop()
+            whole.join(10)

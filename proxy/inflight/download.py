@@ -186,10 +186,14 @@ class Download:
 
     @property
     def known_size(self) -> int | None:
-        """The object's size: from the upstream's headers, or once every byte is in."""
+        """The object's size: from the upstream's headers, or once every byte is in (a
+        close-delimited body's only once its size was confirmed and it was committed: an
+        answer with a length would vouch for an end nobody confirmed)."""
         if self.meta.size is not None:
             return self.meta.size
-        return self.written if self.verified else None
+        if not self.verified or (self.meta.close_delimited and self.entry is None):
+            return None
+        return self.written
 
     @property
     def finished(self) -> bool:

@@ -30,12 +30,14 @@ from proxy.policy.freshness import (
     stale_while_revalidate,
 )
 from proxy.policy.headers import (
+    CONFINED,
     CREDENTIALS,
     HARMLESS_VARY,
     HOP_BY_HOP,
     NOT_FORWARDED,
     cache_control_forbids,
     carries_credentials,
+    confine,
     credentials_forwarded,
     end_to_end_headers,
     forwarded_fields,
@@ -67,6 +69,7 @@ from proxy.policy.urls import (
 
 __all__ = [
     "BARE_SIZE_MIN",
+    "CONFINED",
     "CREDENTIALS",
     "DEFAULT_REDIRECT_HOSTS",
     "HARMLESS_VARY",
@@ -78,6 +81,7 @@ __all__ = [
     "Upstream",
     "cache_control_forbids",
     "carries_credentials",
+    "confine",
     "credentials_forwarded",
     "conditional_status",
     "current_age",

@@ -5,16 +5,19 @@ no-store``/``private``, ``Vary``, size). Pure: no I/O."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from proxy.policy.urls import Upstream
 
 __all__ = [
+    "CONFINED",
     "CREDENTIALS",
     "HARMLESS_VARY",
     "HOP_BY_HOP",
     "NOT_FORWARDED",
     "cache_control_forbids",
     "carries_credentials",
+    "confine",
     "credentials_forwarded",
     "end_to_end_headers",
     "forwarded_fields",
@@ -183,3 +186,26 @@ def should_admit(expected_size: int | None, cache_size: int) -> bool:
     room right now (eviction, the ``keep`` policy) is the store's decision.
     """
     return expected_size is None or expected_size <= cache_size
+
+
+# The proxy's own fields on every answer whose bytes come from an upstream (an object, a
+# passed-on error or API answer): such bytes are served from the proxy's origin, where
+# the status page (``/-/``) and the admin routes live, and must never run there as a
+# page. ``sandbox`` gives the document an opaque origin of its own and no scripts;
+# ``nosniff`` keeps a browser from reading a mislabelled body as HTML or script.
+CONFINED = (("Content-Security-Policy", "sandbox"), ("X-Content-Type-Options", "nosniff"))
+
+
+class _Fields(Protocol):
+    def add(self, key: str, value: str) -> None: ...
+    def __setitem__(self, key: str, value: str) -> None: ...
+
+
+def confine(headers: _Fields) -> None:
+    """Add :data:`CONFINED` to an answer's ``headers`` (a multidict). An origin's own
+    ``Content-Security-Policy`` stays as it was: the sandbox goes beside it as a policy
+    of its own, and a browser enforces every policy an answer carries (so the result
+    is at least as strict as either); ``X-Content-Type-Options`` has one meaningful
+    value and is set to it."""
+    headers.add(*CONFINED[0])
+    headers[CONFINED[1][0]] = CONFINED[1][1]

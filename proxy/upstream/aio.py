@@ -21,7 +21,7 @@ from shardcache._version import __version__
 from shardcache.compat import response_handler_class, response_payload, use_protocol
 from shardcache.errors import UpstreamCut, UpstreamError
 
-__all__ = ["AioTransport"]
+__all__ = ["AioTransport", "ConnectionEnd", "framed_by_close", "watching_connector"]
 
 USER_AGENT = f"shardcache/{__version__}"
 
@@ -65,6 +65,37 @@ class _Connector(aiohttp.TCPConnector):
         use_protocol(self, lambda loop: _Handler(loop=loop))
 
 
+def watching_connector(**kw: Any) -> aiohttp.TCPConnector:
+    """A connector whose connections remember how they ended (for :class:`ConnectionEnd`)."""
+    return _Connector(**kw)
+
+
+def framed_by_close(headers: Mapping[str, str]) -> bool:
+    """Whether an answer with a body and these headers ends where its connection ends:
+    no Content-Length and not chunked."""
+    te = (headers.get("Transfer-Encoding") or "").lower()
+    return "Content-Length" not in headers and "chunked" not in te
+
+
+class ConnectionEnd:
+    """How the connection under an aiohttp response (of a session made with
+    :func:`watching_connector`) ended. aiohttp reports a reset at the end of a
+    close-delimited body as a clean end; :attr:`error` tells it from an orderly close.
+    Taken when the response's headers arrived: the connection is released at the body's
+    end."""
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        conn = resp.connection
+        self._proto = conn.protocol if conn is not None else None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error the connection was lost with (None: open, closed in order, or not
+        watched)."""
+        proto = self._proto
+        return proto.lost_error if isinstance(proto, _Handler) else None
+
+
 class AioResponse:
     """An aiohttp response as a :class:`~proxy.upstream.transport.Response`."""
 
@@ -78,8 +109,7 @@ class AioResponse:
         conn = resp.connection
         self._proto = conn.protocol if conn is not None else None
         self._serial = getattr(self._proto, "serial", 0)
-        te = (resp.headers.get("Transfer-Encoding") or "").lower()
-        self._close_delimited = "Content-Length" not in resp.headers and "chunked" not in te
+        self._close_delimited = framed_by_close(resp.headers)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         content = self._resp.content
