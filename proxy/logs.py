@@ -324,14 +324,21 @@ class SecretsRedactor:
         self._redactor = Redactor()
         self._lock = threading.Lock()
 
-    def __call__(self, text: str, extra: Iterable[str] = ()) -> str:
+    def _current(self, extra: Iterable[str] = ()) -> Redactor:
         key = (*secrets_of(self.settings), *extra)
         with self._lock:
             if key != self._key:
                 self._redactor = Redactor(key, [f for f in self.fields if f])
                 self._key = key
-            redactor = self._redactor
-        return redactor(text)
+            return self._redactor
+
+    def __call__(self, text: str, extra: Iterable[str] = ()) -> str:
+        return self._current(extra)(text)
+
+    def names_secret(self, data: bytes) -> bool:
+        """Whether ``data`` holds a configured secret's value (as is or percent-encoded):
+        an upstream's error body that echoes what the proxy sent it."""
+        return any(s.encode() in data for s in self._current().secrets)
 
 
 def _upstream_credentials(settings: object) -> list[Any]:

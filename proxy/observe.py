@@ -23,6 +23,7 @@ from proxy.context import (
     T_RESP,
     T_START,
     T_WAIT,
+    UPSTREAM_HEALTH,
     _abort_client,
     _error_response,
     _forwarded,
@@ -41,23 +42,50 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("shardcache.access")
 
 
-def _passed(exc: ProxyError, answer: PassedAnswer, method: str) -> web.Response:
+def _redacting(request: web.Request) -> Any:
+    """What redacts the configured secrets from a message shown to a client (an upstream
+    may echo what it was sent into an error the proxy words)."""
+    return request.app[UPSTREAM_HEALTH].redacting
+
+
+def _passed(
+    exc: ProxyError, answer: PassedAnswer, method: str, redacting: Any = None
+) -> web.Response:
     """The upstream's answer as it was (status, end-to-end fields, body), uncached, with
     the proxy's one-line account in ``X-Shardcache-Error``. A 401 becomes 403: the
     upstream refused the proxy's own credentials, and the client must not be asked for
-    its own (they are not forwarded)."""
+    its own (they are not forwarded).
+
+    ``redacting`` (a :class:`proxy.logs.SecretsRedactor`): the configured secrets are
+    redacted from the account, and a field or a body that holds one (an origin echoing
+    the proxy's credentials) is withheld, a reason phrase that holds one replaced."""
     status = 403 if answer.status == 401 else answer.status
     headers: CIMultiDict[str] = CIMultiDict(
-        (k, v) for k, v in answer.fields if k.lower() != "www-authenticate"
+        (k, v)
+        for k, v in answer.fields
+        if k.lower() != "www-authenticate"
+        and (redacting is None or not redacting.names_secret(v.encode("utf-8", "replace")))
     )
-    headers["X-Shardcache-Error"] = " ".join(str(exc).split())[:512]
+    account = " ".join(str(exc).split())
+    body = answer.body
+    reason = answer.reason or None
+    if redacting is not None:
+        if reason and redacting.names_secret(reason.encode("utf-8", "replace")):
+            reason = None  # the status's own phrase instead
+        account = redacting(account)
+        if body and redacting.names_secret(body):
+            body = b""
+            account += " (its body named a configured secret and is withheld)"
+            for name in ("Content-Length", "Content-MD5", "Content-Encoding", "ETag", "Digest"):
+                headers.popall(name, None)
+    headers["X-Shardcache-Error"] = account[:512]
     if status < 400:
         headers["X-Cache"] = XCache.BYPASS  # a success that is not the object: passed, uncached
     confine(headers)  # the upstream's body never runs as a page of the proxy's origin
-    body = None if method == "HEAD" or status in (204, 304) else answer.body
-    resp = web.Response(status=status, reason=answer.reason or None, body=body, headers=headers)
-    if method == "HEAD" and answer.body:
-        resp.headers["Content-Length"] = str(len(answer.body))
+    sent = None if method == "HEAD" or status in (204, 304) else body
+    resp = web.Response(status=status, reason=reason, body=sent, headers=headers)
+    if method == "HEAD" and body:
+        resp.headers["Content-Length"] = str(len(body))
     return resp
 
 
@@ -78,10 +106,12 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
             resp = await handler(request)
         except (ProxyError, web.HTTPException) as exc:
             if isinstance(exc, ProxyError) and isinstance(exc.answer, PassedAnswer):
-                resp = _passed(exc, exc.answer, request.method)
+                resp = _passed(exc, exc.answer, request.method, _redacting(request))
             else:
                 told = error_answer(exc)
-                resp = _error_response(told.status, told.message, dict(told.headers) or None)
+                resp = _error_response(
+                    told.status, _redacting(request)(told.message), dict(told.headers) or None
+                )
         except ConnectionError:
             note = " client-gone"
             resp = request.get(T_RESP)

@@ -131,3 +131,43 @@ def test_a_credential_rotated_since_startup_is_redacted_too(origin, tmp_path):
         assert "[REDACTED]" in u["last_error"]["message"]
     finally:
         p.stop()
+
+
+def test_an_upstream_error_passed_to_a_client_names_no_configured_secret(origin, tmp_path):
+    """The upstream's error answer is passed on (status, fields, body) with the proxy's
+    account in ``X-Shardcache-Error``; an origin that echoes the proxy's own credentials
+    must not hand them to the client: the account is redacted, a field or a body that
+    holds a configured secret is withheld."""
+    p = ProxyProcess(
+        tmp_path / "cache",
+        "--upstream",
+        origin.url,
+        "--upstream-auth",
+        "env:ECHO_AUTH",
+        "--upstream-header",
+        "X-Origin-Pass:env:ECHO_HEADER",
+        "--retries",
+        "0",
+        "--min-free",
+        "0",
+        env={"ECHO_AUTH": AUTH, "ECHO_HEADER": HEADER, "AWS_SECRET_ACCESS_KEY": AWS},
+    ).start()
+    try:
+        for method in ("GET", "HEAD"):
+            req = urllib.request.Request(p.url + "/shard.tar", method=method)
+            try:
+                urllib.request.urlopen(req, timeout=10)
+                raise AssertionError("expected the upstream's 500")
+            except urllib.error.HTTPError as exc:
+                status, fields, body = exc.code, exc.headers, exc.read()
+                reason = str(exc.reason)
+            assert status == 500
+            shown = "\n".join([reason, *(f"{k}: {v}" for k, v in fields.items())])
+            shown += "\n" + body.decode()
+            assert "answered 500" in fields["X-Shardcache-Error"], shown
+            for secret in (AUTH, HEADER, AWS):
+                assert secret not in shown, f"{secret} reached the client ({method}): {shown}"
+            if method == "GET":
+                assert "withheld" in fields["X-Shardcache-Error"], shown
+    finally:
+        p.stop()
