@@ -65,9 +65,15 @@ _PARAMS = (
     r"|key-pair-id|policy|token|access_token|id_token|refresh_token|api_key|apikey"
     r"|api-key|password|passwd|secret|client_secret|x-auth-token"
 )
+# of those, the fields whose value is one token, also query parameters by that name
+_TOKEN_FIELDS = r"x-amz-security-token|x-goog-api-key|x-api-key|api-key|x-auth-token"
 _FIELD_RE = re.compile(
-    # a credential header field and its value, up to a quote or the line's end
-    rf"(?P<keep>\b(?:{_FIELDS})['\"]?\s*[:=]\s*['\"]?)[^'\"\r\n]+",
+    # a credential header field and its value, up to a quote or the line's end (an
+    # Authorization or Cookie value has spaces and separators of its own) ...
+    rf"\b(?!(?:{_TOKEN_FIELDS})['\"]?\s*=)(?:{_FIELDS})['\"]?\s*[:=]\s*['\"]?[^'\"\r\n]+"
+    # ... but a one-token field as a parameter (``?X-Amz-Security-Token=...&n=1``) up
+    # to the parameter's end, so the rest of a URL stays readable
+    rf"|\b(?:{_TOKEN_FIELDS})['\"]?\s*=\s*['\"]?[^&;,\s'\"]+",
     re.IGNORECASE,
 )
 _BEARER_RE = re.compile(r"(?P<keep>\bbearer\s+)[^\s'\",]+", re.IGNORECASE)
@@ -81,6 +87,13 @@ _USERINFO_RE = re.compile(r"(?P<keep>://[^/\s:@'\"]*:)[^/\s@'\"]+(?=@)")
 
 def _keep_name(m: re.Match[str]) -> str:
     return m.group("keep") + REDACTED
+
+
+def _keep_field(m: re.Match[str]) -> str:
+    """A credential field's name and separator, its value redacted."""
+    whole = m.group(0)
+    name = re.match(r"[^:=]*[:=]\s*['\"]?", whole)
+    return (name.group(0) if name else "") + REDACTED
 
 
 def _param(m: re.Match[str]) -> str:
@@ -100,7 +113,7 @@ def redact(text: str) -> str:
     lower = text.lower()
     equals, colon = "=" in lower, ":" in lower
     if (equals or colon) and any(name in lower for name in _FIELD_NAMES):
-        text = _FIELD_RE.sub(_keep_name, text)
+        text = _FIELD_RE.sub(_keep_field, text)
     if "bearer" in lower:
         text = _BEARER_RE.sub(_keep_name, text)
     if equals:

@@ -515,6 +515,12 @@ def test_redactor_shapes_and_known_secrets():
             "Credential=[REDACTED], Signature=[REDACTED]"
         ),
         "plain line: GET /data/a.tar 200 HIT ab": "plain line: GET /data/a.tar 200 HIT ab",
+        # a one-token credential field as a query parameter: the rest of the line stays
+        f"GET /a?X-Amz-Security-Token={TOKEN}&n=1 answered 500": (
+            "GET /a?X-Amz-Security-Token=[REDACTED]&n=1 answered 500"
+        ),
+        f"X-Amz-Security-Token: {TOKEN} x": "X-Amz-Security-Token: [REDACTED]",
+        "cookie=a=b; c=d rest": "cookie=[REDACTED]",
     }
     for text, want in cases.items():
         assert r(text) == want, text
