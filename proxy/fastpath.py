@@ -334,7 +334,7 @@ class FastConnection(asyncio.Protocol):
         if end > self.fed:
             try:
                 self.parser.feed_data(bytes(self.buf[self.fed : end]))
-            except httptools.HttpParserError:
+            except (httptools.HttpParserError, httptools.HttpParserUpgrade):
                 return False
             self.fed = end
         return True
@@ -359,6 +359,9 @@ class FastConnection(asyncio.Protocol):
         if conn is not None:
             conn = conn.strip().lower()
             if conn == b"close":
+                # bytes after it are the parser's error to answer (aiohttp's 400)
+                if len(self.buf) > end:
+                    return False
                 close = True
             elif conn != b"keep-alive":
                 return False
