@@ -445,6 +445,22 @@ def _slow_socket(port: int) -> socket.socket:
     return s
 
 
+def _drain(s: socket.socket, pause: float = 0.0, limit: float = 30.0) -> tuple[int, bool]:
+    """Read ``s`` to its end: (the bytes read, whether it ended with a reset)."""
+    got = 0
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            chunk = s.recv(1 << 16)
+        except ConnectionResetError:
+            return got, True
+        if not chunk:
+            break
+        got += len(chunk)
+        time.sleep(pause)
+    return got, False
+
+
 def _read_head(s: socket.socket) -> bytes:
     head = b""
     while b"\r\n\r\n" not in head:
@@ -468,17 +484,7 @@ def test_entry_file_cut_short_aborts_the_connection(tmp_path):
             assert b"X-Cache: HIT" in head
             time.sleep(0.3)  # sendfile is blocked on the client's window
             os.truncate(path, 1 << 20)
-            got, reset = 0, False
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                try:
-                    chunk = s.recv(1 << 16)
-                except ConnectionResetError:
-                    reset = True
-                    break
-                if not chunk:
-                    break
-                got += len(chunk)
+            got, reset = _drain(s)
         assert got < size
         assert reset, f"a clean end after {got} of {size} bytes"
         wait_until(lambda: "entry file ended at byte" in p.log_text(), 10, what="the abort logged")
@@ -549,18 +555,8 @@ def test_shutdown_closes_idle_connections_and_cuts_a_sendfile(tmp_path):
             with c:
                 assert c.recv(1) == b""  # closed at once, not at the grace period's end
         assert time.monotonic() - started < 1.0
-        got, reset = 0, False
         with slow:
-            while True:
-                try:
-                    chunk = slow.recv(1 << 16)
-                except ConnectionResetError:
-                    reset = True
-                    break
-                if not chunk:
-                    break
-                got += len(chunk)
-                time.sleep(0.01)  # a slow reader
+            got, reset = _drain(slow, pause=0.01)  # a slow reader
         assert reset and got < size
         assert p.proc.wait(15) == 0
         assert time.monotonic() - started < 6
