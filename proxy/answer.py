@@ -218,10 +218,19 @@ class _Body:
 HIT_FIELDS = ("Age",)  # the fields of a hit's answer that are its own
 
 
-def hit_age(entry: Entry, now: float) -> str:
+def hit_age(entry: Entry, now: float, base: float | None = None) -> str:
     """A hit's ``Age``: the upstream's Age when it last vouched for these bytes, or their
-    apparent age by its Date, plus the time since (RFC 9111 4.2.3, 5.1)."""
-    return str(int(current_age(entry.fields, entry.validated, now)))
+    apparent age by its Date (``base``, when the caller kept :func:`age_base`), plus
+    the time since (RFC 9111 4.2.3, 5.1)."""
+    if base is None:
+        return str(int(current_age(entry.fields, entry.validated, now)))
+    return str(int(base + max(0.0, now - entry.validated)))
+
+
+def age_base(entry: Entry) -> float:
+    """The part of a hit's ``Age`` that stays until the entry is validated again: its age
+    when the upstream last vouched for it (:func:`hit_age` adds the time since)."""
+    return current_age(entry.fields, entry.validated, entry.validated)
 
 
 class _NoBody(_Body):

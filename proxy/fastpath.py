@@ -53,7 +53,7 @@ from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.tcp_helpers import tcp_nodelay
 
-from proxy.answer import _EntryBody, hit_age
+from proxy.answer import _EntryBody, age_base, hit_age
 from proxy.context import (
     FORWARDED,
     HITS,
@@ -71,7 +71,7 @@ from proxy.hits import MAX_KEPT
 from proxy.observe import log_access
 from proxy.passthrough import mapped
 from proxy.plans import PLAN_HEADER
-from proxy.shard import entry_state
+from proxy.shard import entry_state, no_cache
 from shardcache.compat import PROBES, CompatError, attach_listener, serialize_headers
 from shardcache.errors import CacheError, ProxyError
 
@@ -141,17 +141,28 @@ _PROBE = "aiohttp answer heads and sites"
 
 
 class _Block:
-    """An entry's answer head as bytes, made once from its kept header block: the
-    status line and the stored fields; whether the application adds its own ``Date``
-    and ``Server`` after them."""
+    """What a hit derives from an entry's stored description, made once with its kept
+    header block: the answer head as bytes (the status line and the stored fields),
+    whether the application adds its own ``Date`` and ``Server`` after them, whether
+    the entry said ``no-cache``, and the base of its ``Age`` for the ``validated`` time
+    it was computed for."""
 
-    __slots__ = ("source", "head", "date", "server")
+    __slots__ = ("source", "head", "date", "server", "no_cache", "validated", "age")
 
-    def __init__(self, source: Any, head: bytes, date: bool, server: bool) -> None:
+    def __init__(self, source: Any, head: bytes, date: bool, server: bool, entry: Any) -> None:
         self.source = source
         self.head = head
         self.date = date
         self.server = server
+        self.no_cache = no_cache(entry)
+        self.validated = entry.validated
+        self.age = age_base(entry)
+
+    def age_base(self, entry: Any) -> float:
+        if entry.validated != self.validated:  # validated again (a 304): its age anew
+            self.validated = entry.validated
+            self.age = age_base(entry)
+        return self.age
 
 
 class FastHits:
@@ -179,9 +190,10 @@ class FastHits:
     def __call__(self) -> FastConnection:
         return FastConnection(self)
 
-    def block(self, key: str, headers: Any) -> _Block | None:
-        """The answer head made from the kept header block ``headers`` of entry ``key``;
+    def block(self, entry: Any, headers: Any) -> _Block | None:
+        """What a hit derives from ``entry`` with its kept header block ``headers``;
         None for a block the application frames otherwise (or cannot send)."""
+        key = entry.key
         item = self._blocks.get(key)
         if item is not None and item.source is headers:
             return item if item.head else None
@@ -192,10 +204,10 @@ class FastHits:
             except ValueError:  # CR or LF in a field: the application's error to give
                 head = b""
             if head:
-                made = _Block(headers, head, "Date" not in headers, "Server" not in headers)
+                made = _Block(headers, head, "Date" not in headers, "Server" not in headers, entry)
         if item is None and len(self._blocks) >= MAX_KEPT:
             del self._blocks[next(iter(self._blocks))]
-        self._blocks[key] = made if made is not None else _Block(headers, b"", False, False)
+        self._blocks[key] = made if made is not None else _Block(headers, b"", False, False, entry)
         return made
 
     def pre_shutdown(self) -> None:
@@ -387,13 +399,13 @@ class FastConnection(asyncio.Protocol):
             return False
         if entry is None:
             return False
-        now = time.time()
-        due, fresh, _ = entry_state(hits.settings.revalidate, entry, now)
-        if due or not fresh:
-            return False
         body = _EntryBody(hits.tier, entry)
-        block = hits.block(entry.key, body.headers)
+        block = hits.block(entry, body.headers)
         if block is None:
+            return False
+        now = time.time()
+        due, fresh, _ = entry_state(hits.settings.revalidate, entry, now, block.no_cache)
+        if due or not fresh:
             return False
         small = hits.tier.cacheable(entry)
         if not small and not hits.runtime.sendfile:
@@ -408,7 +420,7 @@ class FastConnection(asyncio.Protocol):
         parts = [
             block.head,
             b"Age: ",
-            hit_age(entry, now).encode(),
+            hit_age(entry, now, block.age_base(entry)).encode(),
             b"\r\nContent-Length: ",
             str(size).encode(),
             b"\r\n",

@@ -230,15 +230,20 @@ async def _shard(request: web.Request) -> web.StreamResponse:
     raise UpstreamError(f"{url}: entry keeps disappearing; try again")
 
 
-def entry_state(revalidate: object, entry: Entry | None, now: float) -> tuple[bool, bool, bool]:
+def entry_state(
+    revalidate: object, entry: Entry | None, now: float, no_cache: bool | None = None
+) -> tuple[bool, bool, bool]:
     """What ``--revalidate`` (``revalidate``) says of ``entry`` (None: none found) at
     ``now``: (revalidation due, fresh, stale but within its stale-while-revalidate
-    window), the facts :func:`proxy.decide.decide` takes. Shared by :func:`_shard` and
-    the fast path (:mod:`proxy.fastpath`), which serves only what this calls fresh and
-    not due."""
+    window), the facts :func:`proxy.decide.decide` takes; ``no_cache``: what
+    :func:`_no_cache` says of the entry, when the caller kept it. Shared by
+    :func:`_shard` and the fast path (:mod:`proxy.fastpath`), which serves only what
+    this calls fresh and not due."""
     if entry is None:
         return False, True, False
-    due = needs_revalidation(revalidate, entry.validated, now) or _no_cache(entry)
+    if no_cache is None:
+        no_cache = _no_cache(entry)
+    due = needs_revalidation(revalidate, entry.validated, now) or no_cache
     fresh = revalidate != REVALIDATE_HTTP or is_fresh(
         entry.fields, entry.last_modified, entry.validated, now
     )
@@ -246,6 +251,11 @@ def entry_state(revalidate: object, entry: Entry | None, now: float) -> tuple[bo
         entry.fields, entry.last_modified, entry.validated, now
     )
     return due, fresh, stale_ok
+
+
+def no_cache(entry: Entry) -> bool:
+    """:func:`_no_cache`, for the fast path to keep with the entry's header block."""
+    return _no_cache(entry)
 
 
 def _no_cache(entry: Entry) -> bool:
