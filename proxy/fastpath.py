@@ -110,6 +110,7 @@ _ODD = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n|\n[ \t]
 # fields whose presence in a kept header block changes how the application frames the
 # answer: such an entry's hits go to the application
 _FRAMING = frozenset({"age", "content-length", "connection", "transfer-encoding"})
+_SCRATCH = object()  # a parser with no callbacks: it only checks
 _STATUS = "HTTP/1.1 200 OK"
 _SERVER = f"Server: {SERVER_SOFTWARE}\r\n".encode()
 _CLOSE = b"Connection: close\r\n"
@@ -242,6 +243,7 @@ class FastConnection(asyncio.Protocol):
         self.gone = False
         self.idle_since = self.loop.time()
         self.keepalive: asyncio.TimerHandle | None = None
+        self.checked = True  # the bytes held have been parsed through (see _process)
         self._reset()
 
     def _reset(self) -> None:
@@ -302,6 +304,7 @@ class FastConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
+        self.checked = False
         if self.busy or self.write_paused:
             if len(self.buf) > READ_LIMIT and not self.read_paused and self.transport:
                 self.read_paused = True
@@ -319,6 +322,17 @@ class FastConnection(asyncio.Protocol):
                 return
             if not buf:
                 break
+            if not self.checked:
+                # the application's parser reads all it is given at once, and a parse
+                # error anywhere in it (a malformed request, bytes after a `close`) is
+                # its one answer, for the requests before the error too: the bytes held
+                # are parsed through first, and any such error is the application's
+                try:
+                    httptools.HttpRequestParser(_SCRATCH).feed_data(bytes(buf))
+                except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+                    self._hand_over()
+                    return
+                self.checked = True
             end = buf.find(b"\r\n\r\n")
             if end < 0:
                 # an incomplete head: what came so far goes to the parser, so that an

@@ -208,6 +208,16 @@ CASES: dict[str, tuple[bytes, int]] = {
         + req("GET", "/big.tar", close=True),
         3,
     ),
+    # the application's parser reads a segment through: an error anywhere in it is its
+    # one answer, for the requests before the error too
+    "bytes after close": (
+        req("GET", "/small.tar") + req("GET", "/big.tar", close=True) + b"JUNK",
+        0,
+    ),
+    "malformed after hits": (
+        req("GET", "/small.tar") + req("GET", "/big.tar") + b"G\x00T /\r\n\r\n",
+        0,
+    ),
     "body after a hit": (
         req("GET", "/small.tar")
         + b"POST /small.tar HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
