@@ -322,18 +322,20 @@ class FastConnection(asyncio.Protocol):
                 return
             if not buf:
                 break
-            if not self.checked:
-                # the application's parser reads all it is given at once, and a parse
-                # error anywhere in it (a malformed request, bytes after a `close`) is
-                # its one answer, for the requests before the error too: the bytes held
-                # are parsed through first, and any such error is the application's
+            end = buf.find(b"\r\n\r\n")
+            if not self.checked and 0 <= end < len(buf) - 4:
+                # more than one request's head held: the application's parser reads all
+                # it is given at once, and a parse error anywhere in it (a malformed
+                # request, bytes after a `close`) is its one answer, for the requests
+                # before the error too; so the bytes held are parsed through first, and
+                # any such error is the application's (one head alone, or part of one,
+                # is checked as it is fed below)
                 try:
                     httptools.HttpRequestParser(_SCRATCH).feed_data(bytes(buf))
                 except (httptools.HttpParserError, httptools.HttpParserUpgrade):
                     self._hand_over()
                     return
                 self.checked = True
-            end = buf.find(b"\r\n\r\n")
             if end < 0:
                 # an incomplete head: what came so far goes to the parser, so that an
                 # error the application answers at once is found now
