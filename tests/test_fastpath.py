@@ -574,3 +574,29 @@ def test_shutdown_closes_idle_connections_and_cuts_a_sendfile(tmp_path):
     finally:
         p.stop(timeout=10)
         o.stop()
+
+
+def test_each_worker_answers_hits_itself(origin, tmp_path):
+    p = _start(origin, tmp_path, "on", "--workers", "2")
+    try:
+        assert get(p.port, "/small.tar").startswith(b"HTTP/1.1 200 OK")
+        for _ in range(10):
+            got = get(p.port, "/small.tar")
+            assert b"X-Cache: HIT" in got and got.endswith(SMALL)
+        # /metrics adds up the workers
+        assert metric(p.port, "shardcache_fast_hits_total") == 10
+    finally:
+        p.stop(timeout=15)
+
+
+def test_a_hit_due_for_revalidation_is_the_applications(origin, tmp_path):
+    p = _start(origin, tmp_path, "on", "--revalidate", "always")
+    try:
+        asked = origin.gets["other.tar"]
+        for _ in range(3):
+            got = get(p.port, "/other.tar")
+            assert b"X-Cache: HIT" in got or b"X-Cache: MISS" in got
+        assert origin.gets["other.tar"] - asked == 3  # the miss, then one question per hit
+        assert metric(p.port, "shardcache_fast_hits_total") == 0
+    finally:
+        p.stop(timeout=10)
