@@ -21,13 +21,19 @@ the access-log line). Which requests those are:
   off the uncached paths (:func:`proxy.passthrough.mapped`);
 - no download of the object in this process; a committed entry the store finds, fresh
   and due no revalidation (:func:`proxy.shard.entry_state`), whose bytes
-  :class:`proxy.answer._EntryBody` finds as it does for the application.
+  :class:`proxy.answer._EntryBody` finds as it does for the application. (Credentials
+  change nothing here: :func:`proxy.decide.decide` serves a found entry whatever they
+  are; they matter to a miss, which is the application's.)
 
 Anything else — a parse error, an oversized head, a field it does not know how to
 treat — goes to the application: a fresh ``RequestHandler`` of the runner's server takes
 the transport and every byte from the start of that request on, and the connection is
 the application's from then on. A hand-over waits until the answer being sent (a
 ``sendfile``) has ended and the transport takes writes again.
+
+aiohttp's parser reads all it is given at once and answers only its 400 when anything
+in it is malformed: when more than one request is held, they are parsed through before
+any is answered, and an error anywhere hands them all over.
 
 Pipelined requests are answered in order; none is started while a ``sendfile`` runs or
 while the transport's buffer is above its high-water mark, and reading stops once
