@@ -46,8 +46,10 @@ application's responses (its task is in ``Runtime.handlers``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,9 +57,7 @@ from urllib.parse import unquote
 
 import httptools
 from aiohttp import web
-from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE
-from aiohttp.tcp_helpers import tcp_nodelay
 
 from proxy.answer import _EntryBody, age_base, hit_age
 from proxy.context import (
@@ -78,7 +78,13 @@ from proxy.observe import log_access
 from proxy.passthrough import mapped
 from proxy.plans import PLAN_HEADER
 from proxy.shard import entry_state, no_cache
-from shardcache.compat import PROBES, CompatError, attach_listener, serialize_headers
+from shardcache.compat import (
+    PROBES,
+    CompatError,
+    attach_listener,
+    date_function,
+    serialize_headers,
+)
 from shardcache.errors import CacheError, ProxyError
 
 __all__ = ["KEEPALIVE_SECONDS", "FastConnection", "FastHits", "FastSite", "unusable"]
@@ -189,6 +195,7 @@ class FastHits:
         self.metrics = app[METRICS]
         self.runtime = app[RUNTIME]
         self.front: Any = app[S3_FRONT]
+        self.date = date_function()  # aiohttp's Date value for now
         self.connections: set[FastConnection] = set()
         self.tasks: set[asyncio.Task] = set()
         self.closing = False
@@ -276,7 +283,10 @@ class FastConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         tr: Any = transport
-        tcp_nodelay(tr, True)  # as the application's protocol does
+        sock = tr.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):  # as the application's protocol does
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
         self.transport = tr
         peer = tr.get_extra_info("peername")
         if isinstance(peer, (list, tuple)):
@@ -448,7 +458,7 @@ class FastConnection(asyncio.Protocol):
             b"\r\n",
         ]
         if block.date:
-            parts += (b"Date: ", rfc822_formatted_time().encode(), b"\r\n")
+            parts += (b"Date: ", hits.date().encode(), b"\r\n")
         if block.server:
             parts.append(_SERVER)
         if close:

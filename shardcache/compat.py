@@ -48,6 +48,7 @@ __all__ = [
     "SubParsersAction",
     "add_writer",
     "attach_listener",
+    "date_function",
     "parser_actions",
     "probe_all",
     "remove_writer",
@@ -176,6 +177,19 @@ def serialize_headers(status_line: str, headers: Any) -> bytes:
     return serialize(status_line, headers)
 
 
+def date_function() -> Callable[[], str]:
+    """aiohttp's ``Date`` value for an answer made now
+    (``aiohttp.helpers.rfc822_formatted_time``, made once a second)."""
+    from aiohttp import helpers
+
+    try:
+        return helpers.rfc822_formatted_time
+    except AttributeError:
+        raise _missing(
+            "aiohttp", "aiohttp.helpers.rfc822_formatted_time", _FAST, AIOHTTP_RANGE
+        ) from None
+
+
 def attach_listener(site: Any, server: asyncio.AbstractServer) -> None:
     """Make ``server`` the listener of aiohttp ``site`` (a ``web.BaseSite`` subclass
     that starts its own): ``stop()`` closes it, ``runner.addresses`` lists it."""
@@ -199,6 +213,9 @@ def _probe_fast_path() -> None:
         raise CompatError("aiohttp's _serialize_headers let a CR LF through")
     if "_server" not in web.BaseSite.__slots__:
         raise _missing("aiohttp", "BaseSite._server", _FAST, AIOHTTP_RANGE)
+    date = date_function()()
+    if not re.fullmatch(r"\w{3}, \d{2} \w{3} \d{4} \d{2}:\d{2}:\d{2} GMT", date):
+        raise CompatError(f"aiohttp's rfc822_formatted_time wrote {date!r}")
 
 
 # --------------------------------------------------------------------------- asyncio
