@@ -12,8 +12,10 @@ not (other processes take the cores; the work per request stays what it is).
 Servers, each one process (one nginx worker), all started once and warmed up:
 
 - shardcache of this tree (and of ``--base``) at its default log level (an access-log
-  line per request, written to a file) and with ``--log-level warning``; its upstream is
-  the nginx below; every object fetched once and checked to be an ``X-Cache: HIT``.
+  line per request, written to a file) and with ``--log-level warning``; this tree's
+  with ``--fast-hits on`` and ``off`` (``--fast-hits on|off|both``, default both); its
+  upstream is the nginx below; every object fetched once and checked to be an
+  ``X-Cache: HIT``.
 - bare aiohttp: one handler returning the bytes from memory, ``access_log=None``.
 - nginx: one worker serving the files (``sendfile on``, ``access_log off``).
 
@@ -268,6 +270,12 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--conns", type=int, default=16)
     ap.add_argument("--profile", type=Path, help="write py-spy profiles here and summarise")
+    ap.add_argument(
+        "--fast-hits",
+        choices=("on", "off", "both"),
+        default="both",
+        help="this tree's proxy with the fast path for hits on, off, or each (default)",
+    )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="hitcost-"))
     data = tmp / "data"
@@ -282,14 +290,22 @@ def main() -> int:
         if args.base is not None:
             trees.insert(0, ("base", args.base.resolve()))
         proxies = []
+        modes = ["on", "off"] if args.fast_hits == "both" else [args.fast_hits]
         for label, src in trees:
+            # the base tree may predate --fast-hits: it runs as it is
+            fast = (
+                [("", [])]
+                if label == "base"
+                else [(f", --fast-hits {m}", ["--fast-hits", m]) for m in modes]
+            )
             for level, extra in (
                 ("default log level", []),
                 ("--log-level warning", ["--log-level", "warning"]),
             ):
-                name = f"shardcache {label}, {level}"
-                d = tmp / re.sub(r"\W+", "-", name)
-                proxies.append(start_proxy(name, src, d, nginx.port, extra))
+                for note, flag in fast:
+                    name = f"shardcache {label}, {level}{note}"
+                    d = tmp / re.sub(r"\W+", "-", name)
+                    proxies.append(start_proxy(name, src, d, nginx.port, [*extra, *flag]))
         servers.extend(proxies)
         servers.append(start_bare(tmp / "bare", data))
         order = [*proxies, servers[-1], nginx]

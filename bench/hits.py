@@ -218,6 +218,7 @@ class ShardcacheHits(ShardcacheServer):
         self.name = "shardcache"
         self.log_level = args.log_level
         self.workers = args.workers
+        self.fast_hits = args.fast_hits
         self.cache_size = args.cache_size
         self.ready_s = 0.0
 
@@ -228,6 +229,8 @@ class ShardcacheHits(ShardcacheServer):
         a += ["--log-level", self.log_level, "--grace-period", "2"]
         if self.workers:
             a += ["--workers", str(self.workers)]
+        if self.fast_hits:
+            a += ["--fast-hits", self.fast_hits]
         return a
 
     def start(self) -> None:
@@ -836,6 +839,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="info",
         help="shardcache --log-level (default info, its own default: one access-log line "
         "per request; warning suppresses them)",
+    )
+    p.add_argument(
+        "--fast-hits",
+        choices=("on", "off"),
+        default=None,
+        help="shardcache --fast-hits (default: not passed, the proxy's own default)",
     )
     p.add_argument("--cache-size", default="10G", help="shardcache --cache-size (10G)")
     p.add_argument("--nginx-workers", default="auto", help="nginx worker_processes (auto)")

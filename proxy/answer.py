@@ -17,7 +17,6 @@ from multidict import CIMultiDict
 from proxy.context import (
     DEFAULT_TYPE,
     FETCHER,
-    HITS,
     METRICS,
     RUNTIME,
     SETTINGS,
@@ -29,11 +28,13 @@ from proxy.context import (
     _waited,
 )
 from proxy.decide import XCache
+from proxy.hits import HitTier
 from proxy.inflight import Download, DownloadFailed, State
 from proxy.policy import (
     ByteRange,
     conditional_status,
     confine,
+    current_age,
     parse_range,
     range_applies,
 )
@@ -228,6 +229,21 @@ class _Body:
 HIT_FIELDS = ("Age",)  # the fields of a hit's answer that are its own
 
 
+def hit_age(entry: Entry, now: float, base: float | None = None) -> str:
+    """A hit's ``Age``: the upstream's Age when it last vouched for these bytes, or their
+    apparent age by its Date (``base``, when the caller kept :func:`age_base`), plus
+    the time since (RFC 9111 4.2.3, 5.1)."""
+    if base is None:
+        return str(int(current_age(entry.fields, entry.validated, now)))
+    return str(int(base + max(0.0, now - entry.validated)))
+
+
+def age_base(entry: Entry) -> float:
+    """The part of a hit's ``Age`` that stays until the entry is validated again: its age
+    when the upstream last vouched for it (:func:`hit_age` adds the time since)."""
+    return current_age(entry.fields, entry.validated, entry.validated)
+
+
 class _NoBody(_Body):
     """The body of an answer that has none (HEAD without an upstream body)."""
 
@@ -236,8 +252,8 @@ class _EntryBody(_Body):
     """A cache entry: a small one from the RAM tier (one ``web.Response``, no
     streaming), a larger one from its file with ``sendfile`` on the loop."""
 
-    def __init__(self, request: web.Request, entry: Entry):
-        self.tier = request.app[HITS]
+    def __init__(self, tier: HitTier, entry: Entry):
+        self.tier = tier
         self.entry = entry
         self.fobj: Any = None
         kept = self.tier.kept(entry)

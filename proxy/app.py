@@ -41,6 +41,7 @@ from proxy.context import (
     PLANS,
     RUNTIME,
     S3_CLIENT,
+    S3_FRONT,
     SCHEDULER,
     SETTINGS,
     STORE,
@@ -144,6 +145,7 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
     app = web.Application(middlewares=[_observe, front.middleware], client_max_size=4 << 20)
     app.on_response_prepare.append(front.on_prepare)
     app[S3_CLIENT] = s3
+    app[S3_FRONT] = front
     app[CLOUD_CLIENT] = cloud
     app[SETTINGS] = settings
     app[METRICS] = ProxyMetrics()
@@ -346,3 +348,6 @@ async def _on_shutdown(app: web.Application) -> None:
         await asyncio.gather(scheduling, return_exceptions=True)
     if SCHEDULER in app:
         await app[SCHEDULER].stop()
+    fast = app[RUNTIME].fast
+    if fast is not None:  # hits the fast path is sending, cut at the grace period's end
+        await fast.drain()

@@ -113,6 +113,7 @@ class Settings:
     revalidate: float | str | None = DEFAULTS["revalidate"]
     store_probe_interval: float = DEFAULTS["store_probe_interval"]
     workers: int = DEFAULTS["workers"]
+    fast_hits: bool = DEFAULTS["fast_hits"]
 
     @property
     def upstream_options(self) -> UpstreamOptions:

@@ -44,6 +44,7 @@ class Runtime:
     deadline: float | None = None
     handlers: set[asyncio.Task] = field(default_factory=set)
     hurry: asyncio.Event = field(default_factory=asyncio.Event)
+    fast: Any = None  # the fast path for hits on the public port (proxy.fastpath), if on
 
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -59,6 +60,7 @@ SCHEDULER = web.AppKey("scheduler", Scheduler)
 S3_CLIENT = web.AppKey("s3_client", object)
 CLOUD_CLIENT = web.AppKey("cloud_client", object)
 UPSTREAM_HEALTH = web.AppKey("upstream_health", UpstreamHealth)
+S3_FRONT = web.AppKey("s3_front", object)  # the S3 front (its middleware's object)
 T_START = web.RequestKey("start", float)
 T_BYTES = web.RequestKey("bytes", int)
 T_RESP = web.RequestKey("resp", web.StreamResponse)
@@ -105,11 +107,16 @@ def _abort_client(request: web.Request) -> None:
     request[T_ABORTED] = True
     transport = request.transport
     if transport is not None:
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        transport.abort()
+        abort_transport(transport)
+
+
+def abort_transport(transport: asyncio.BaseTransport) -> None:
+    """Close ``transport`` with a reset (RST), as :func:`_abort_client` does."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 FORWARDED = "X-Shardcache-Worker"  # a request one worker passes to the download's owner

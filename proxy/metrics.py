@@ -152,6 +152,12 @@ class ProxyMetrics:
             "Cache entries evicted before their first re-use (a cache that thrashes).",
             registry=r,
         )
+        self.fast_hits = Counter(
+            "shardcache_fast_hits_total",
+            "Hits answered by the fast path in front of the application (--fast-hits); "
+            "counted in shardcache_requests_total too.",
+            registry=r,
+        )
         self.downloads_in_progress = Gauge(
             "shardcache_downloads_in_progress",
             "Upstream downloads running now.",

@@ -144,29 +144,39 @@ async def _observe(request: web.Request, handler: Any) -> web.StreamResponse:
             request.app[METRICS].observe_request(cache, status, nbytes)
             _account_wait(request, nbytes)
         level = logging.DEBUG if route in PROBES and status < 400 else logging.INFO
-        if access_log.isEnabledFor(level):
-            # the record made here: Logger.log would walk the stack for the caller's
-            # file and line, which no access-log line shows
-            access_log.handle(
-                access_log.makeRecord(
-                    access_log.name,
-                    level,
-                    __file__,
-                    0,
-                    ACCESS_FORMAT,
-                    (
-                        request.remote,
-                        request.method,
-                        clip(request.raw_path),
-                        status,
-                        cache,
-                        nbytes,
-                        duration,
-                        note,
-                    ),
-                    None,
-                )
+        log_access(
+            level, request.remote, request.method, request.raw_path, status, cache, nbytes,
+            duration, note,
+        )  # fmt: skip
+
+
+def log_access(
+    level: int,
+    remote: str | None,
+    method: str,
+    raw_path: str,
+    status: int,
+    cache: str,
+    nbytes: int,
+    duration: float,
+    note: str = "",
+) -> None:
+    """The access-log line of one request (the middleware's, and the fast path's for the
+    hits it answers itself: :mod:`proxy.fastpath`)."""
+    if access_log.isEnabledFor(level):
+        # the record made here: Logger.log would walk the stack for the caller's
+        # file and line, which no access-log line shows
+        access_log.handle(
+            access_log.makeRecord(
+                access_log.name,
+                level,
+                __file__,
+                0,
+                ACCESS_FORMAT,
+                (remote, method, clip(raw_path), status, cache, nbytes, duration, note),
+                None,
             )
+        )
 
 
 ACCESS_FORMAT = '%s "%s %s" %d %s %d %.3fs%s'

@@ -205,7 +205,13 @@ class S3Front:
         that cannot name a bucket (``/-/...``) is. False: the full classification decides.
         A data request of a sidecar pays this test instead of classifying the request
         and scanning its headers for an S3 client (measured: see BENCHMARKS.md)."""
-        path = request.raw_path.partition("?")[0]
+        return self.proxys_own(request.raw_path, request.headers.get("Host"))
+
+    def proxys_own(self, raw_path: str, host: str | None) -> bool:
+        """:meth:`_proxys_own` of a request for ``raw_path`` (the target as sent) with
+        ``host`` (its Host field, None without one); the fast path for hits
+        (:mod:`proxy.fastpath`) asks it of the requests it answers itself."""
+        path = raw_path.partition("?")[0]
         if path == "/":
             return False
         first = path[1:].partition("/")[0]
@@ -215,7 +221,6 @@ class S3Front:
             return False
         if not self.domains:
             return True
-        host = request.headers.get("Host")
         if not host:
             return True
         virtual = self._virtual_hosts.get(host, False)

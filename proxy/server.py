@@ -42,6 +42,7 @@ async def run_server(
     from aiohttp import web
 
     from proxy.app import make_app
+    from proxy.fastpath import KEEPALIVE_SECONDS, FastHits, FastSite, unusable
 
     loop = asyncio.get_running_loop()
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=64))
@@ -75,17 +76,36 @@ async def run_server(
         access_log=None,
         shutdown_timeout=settings.grace_period + CUT_SECONDS,
         handle_signals=False,
+        keepalive_timeout=KEEPALIVE_SECONDS,  # the fast path's too
     )
     await runner.setup()
     try:
-        site = web.TCPSite(
-            runner,
-            settings.host,
-            settings.port,
-            backlog=1024,
-            reuse_port=worker is not None,
-            ssl_context=ssl_context,
-        )
+        site: web.BaseSite
+        why = unusable() if settings.fast_hits and ssl_context is None else None
+        if why is not None:
+            log.warning("the fast path for hits is off: %s", why)
+        if settings.fast_hits and ssl_context is None and why is None:
+            # plain GET/HEAD hits answered in front of the application, the rest handed
+            # to it (proxy.fastpath)
+            fast = FastHits(app, runner.server)  # type: ignore[arg-type]
+            runtime.fast = fast
+            site = FastSite(
+                runner,
+                fast,
+                settings.host,
+                settings.port,
+                backlog=1024,
+                reuse_port=worker is not None,
+            )
+        else:
+            site = web.TCPSite(
+                runner,
+                settings.host,
+                settings.port,
+                backlog=1024,
+                reuse_port=worker is not None,
+                ssl_context=ssl_context,
+            )
         try:
             await site.start()
         except OSError as exc:

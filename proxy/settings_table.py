@@ -204,6 +204,16 @@ SETTINGS: tuple[Setting, ...] = (
         group="performance",
     ),
     Setting(
+        "fast_hits",
+        True,
+        "on: plain GET/HEAD cache hits over HTTP are answered by a lean server in front of "
+        "the application (httptools), everything else is handed to it unchanged; off: the "
+        "application serves every request (HTTPS always is)",
+        _on_off,
+        metavar="on|off",
+        group="performance",
+    ),
+    Setting(
         "admin_token",
         None,
         "bearer token required by mutating admin routes",

@@ -20,11 +20,13 @@ from proxy.answer import (
     _DownloadBody,
     _EntryBody,
     _NoBody,
+    hit_age,
 )
 from proxy.context import (
     ADMIN_ROUTES,
     FETCHER,
     HEALTH,
+    HITS,
     INFLIGHT,
     METRICS,
     PLANS,
@@ -47,7 +49,6 @@ from proxy.policy import (
     REVALIDATE_HTTP,
     carries_credentials,
     credentials_forwarded,
-    current_age,
     forwarded_fields,
     is_fresh,
     map_request,
@@ -137,22 +138,7 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                     log.error("cache lookup of %s failed, passing it through: %s", url, exc)
                     facts = facts.learn(looked_up=True, lookup_failed=True)
                     continue
-                now = time.time()
-                due = entry is not None and (
-                    needs_revalidation(s.revalidate, entry.validated, now) or _no_cache(entry)
-                )
-                fresh = (
-                    entry is None
-                    or s.revalidate != REVALIDATE_HTTP
-                    or is_fresh(entry.fields, entry.last_modified, entry.validated, now)
-                )
-                stale_ok = (
-                    not fresh
-                    and entry is not None
-                    and stale_while_revalidate(
-                        entry.fields, entry.last_modified, entry.validated, now
-                    )
-                )
+                due, fresh, stale_ok = entry_state(s.revalidate, entry, time.time())
                 facts = facts.learn(
                     looked_up=True,
                     entry=entry is not None,
@@ -242,6 +228,34 @@ async def _shard(request: web.Request) -> web.StreamResponse:
         finally:
             dl.release()
     raise UpstreamError(f"{url}: entry keeps disappearing; try again")
+
+
+def entry_state(
+    revalidate: object, entry: Entry | None, now: float, no_cache: bool | None = None
+) -> tuple[bool, bool, bool]:
+    """What ``--revalidate`` (``revalidate``) says of ``entry`` (None: none found) at
+    ``now``: (revalidation due, fresh, stale but within its stale-while-revalidate
+    window), the facts :func:`proxy.decide.decide` takes; ``no_cache``: what
+    :func:`_no_cache` says of the entry, when the caller kept it. Shared by
+    :func:`_shard` and the fast path (:mod:`proxy.fastpath`), which serves only what
+    this calls fresh and not due."""
+    if entry is None:
+        return False, True, False
+    if no_cache is None:
+        no_cache = _no_cache(entry)
+    due = needs_revalidation(revalidate, entry.validated, now) or no_cache
+    fresh = revalidate != REVALIDATE_HTTP or is_fresh(
+        entry.fields, entry.last_modified, entry.validated, now
+    )
+    stale_ok = not fresh and stale_while_revalidate(
+        entry.fields, entry.last_modified, entry.validated, now
+    )
+    return due, fresh, stale_ok
+
+
+def no_cache(entry: Entry) -> bool:
+    """:func:`_no_cache`, for the fast path to keep with the entry's header block."""
+    return _no_cache(entry)
 
 
 def _no_cache(entry: Entry) -> bool:
@@ -345,12 +359,10 @@ async def _ask_upstream(
 async def _serve_hit(request: web.Request, entry: Entry) -> web.StreamResponse | None:
     """Serve a hit; None when the entry file turned out missing or replaced (the caller
     forgets the entry and looks again)."""
-    body = _EntryBody(request, entry)
+    body = _EntryBody(request.app[HITS], entry)
     if not body.open():
         return None
-    # the upstream's Age when it last vouched for these bytes, or their apparent age
-    # by its Date, plus the time since (RFC 9111 4.2.3, 5.1)
-    age = {"Age": str(int(current_age(entry.fields, entry.validated, time.time())))}
+    age = {"Age": hit_age(entry, time.time())}
     return await _answer(request, body.meta, XCache.HIT, entry.size, body, age)
 
 

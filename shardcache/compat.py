@@ -48,12 +48,15 @@ __all__ = [
     "SubParsersAction",
     "add_writer",
     "delimit_by_close",
+    "attach_listener",
+    "date_function",
     "parser_actions",
     "probe_all",
     "remove_writer",
     "reset_empty_waiter",
     "response_handler_class",
     "response_payload",
+    "serialize_headers",
     "threaded_sendfile_hooks",
     "use_protocol",
     "values_may_look_negative",
@@ -181,6 +184,63 @@ def _probe_delimit_by_close() -> None:
     delimit_by_close(resp)
     if resp.keep_alive is not False or resp.chunked:
         raise _missing("aiohttp", "StreamResponse._length_check", _BY_CLOSE, AIOHTTP_RANGE)
+_FAST = "for the fast path of hits (proxy.fastpath); it is off without it"
+
+
+def serialize_headers(status_line: str, headers: Any) -> bytes:
+    """An answer's head as aiohttp writes it (``aiohttp.http_writer._serialize_headers``):
+    the status line and ``headers`` in order, each line ending in CRLF, then an empty
+    line; ValueError for a CR or LF in a name or value."""
+    from aiohttp import http_writer
+
+    try:
+        serialize = http_writer._serialize_headers
+    except AttributeError:
+        raise _missing(
+            "aiohttp", "aiohttp.http_writer._serialize_headers", _FAST, AIOHTTP_RANGE
+        ) from None
+    return serialize(status_line, headers)
+
+
+def date_function() -> Callable[[], str]:
+    """aiohttp's ``Date`` value for an answer made now
+    (``aiohttp.helpers.rfc822_formatted_time``, made once a second)."""
+    from aiohttp import helpers
+
+    try:
+        return helpers.rfc822_formatted_time
+    except AttributeError:
+        raise _missing(
+            "aiohttp", "aiohttp.helpers.rfc822_formatted_time", _FAST, AIOHTTP_RANGE
+        ) from None
+
+
+def attach_listener(site: Any, server: asyncio.AbstractServer) -> None:
+    """Make ``server`` the listener of aiohttp ``site`` (a ``web.BaseSite`` subclass
+    that starts its own): ``stop()`` closes it, ``runner.addresses`` lists it."""
+    if "_server" not in type(site).__slots__ and not hasattr(site, "_server"):
+        raise _missing("aiohttp", "BaseSite._server", _FAST, AIOHTTP_RANGE)
+    site._server = server
+
+
+def _probe_fast_path() -> None:
+    from aiohttp import web
+    from multidict import CIMultiDict
+
+    head = serialize_headers("HTTP/1.1 200 OK", CIMultiDict([("A", "1"), ("B", "2")]))
+    if head != b"HTTP/1.1 200 OK\r\nA: 1\r\nB: 2\r\n\r\n":
+        raise CompatError(f"aiohttp's _serialize_headers wrote {head!r}")
+    try:
+        serialize_headers("HTTP/1.1 200 OK", CIMultiDict([("A", "1\r\nB: 2")]))
+    except ValueError:
+        pass
+    else:
+        raise CompatError("aiohttp's _serialize_headers let a CR LF through")
+    if "_server" not in web.BaseSite.__slots__:
+        raise _missing("aiohttp", "BaseSite._server", _FAST, AIOHTTP_RANGE)
+    date = date_function()()
+    if not re.fullmatch(r"\w{3}, \d{2} \w{3} \d{4} \d{2}:\d{2}:\d{2} GMT", date):
+        raise CompatError(f"aiohttp's rfc822_formatted_time wrote {date!r}")
 
 
 # --------------------------------------------------------------------------- asyncio
@@ -362,6 +422,7 @@ PROBES: dict[str, Callable[[], None]] = {
     "asyncio sendfile hooks": _probe_sendfile_hooks,
     "http.client interim answers": _probe_interim,
     "argparse internals": _probe_argparse,
+    "aiohttp answer heads and sites": _probe_fast_path,
 }
 
 
