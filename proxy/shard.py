@@ -222,6 +222,8 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                     dl = inflight.start(
                         url, claimed=claimed, headers=forwarded_fields(request.headers)
                     )
+                    # a plan's reader waits for it: in parts, ahead of the plans' lookahead
+                    dl.urgent = bool(request.get(T_PLANS))
                     cache = XCache.MISS
                 elif claimed:
                     # started meanwhile by another request of this worker, under the same claim
@@ -495,11 +497,13 @@ async def _background(
     *,
     forwarded: bool = False,
     body: UpstreamBody | None = None,
+    urgent: bool = False,
 ) -> Download | None:
     """Start downloading ``url`` for the cache, no client following it, once per object
     across the workers of this port; the download (acquired for the caller), or None
     when it runs already, is cached, or the store takes no writes. ``body``: the
-    object's answer, already open (the download starts from it)."""
+    object's answer, already open (the download starts from it). ``urgent``: a plan's
+    reader asks for it next (:attr:`Download.urgent`)."""
     inflight = app[INFLIGHT]
     if inflight.running(url) or not app[HEALTH].writable:
         return None
@@ -516,4 +520,5 @@ async def _background(
         return None
     dl = inflight.start(url, claimed=claimed, body=body)
     dl.reason = reason
+    dl.urgent = urgent
     return dl

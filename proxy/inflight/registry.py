@@ -285,14 +285,15 @@ class Inflight:
     async def _open(self, dl: Download) -> UpstreamBody:
         """The upstream body of ``dl``, starting (in parts) with the part its first
         reader waits for. When the object ends before that byte, the reader's answer is
-        a 416 — unless other clients joined meanwhile: the object is theirs to have."""
+        a 416 — unless other clients joined meanwhile: the object is theirs to have.
+        An urgent download (a plan's reader waits for it) comes in parts where it can."""
         at = dl.first_preferred
         try:
-            return await self.fetcher.open(dl.url, dl.headers, at=at)
+            return await self.fetcher.open(dl.url, dl.headers, at=at, urgent=dl.urgent)
         except RangeNotSatisfiable:
             if at is None or dl.holders <= 2:  # this task and the reader that asked
                 raise
-            return await self.fetcher.open(dl.url, dl.headers)
+            return await self.fetcher.open(dl.url, dl.headers, urgent=dl.urgent)
 
     async def _admit(self, dl: Download, meta: ObjectMeta) -> tuple[Partial | None, str]:
         """A partial file for the download, or None and why it is not cached."""

@@ -16,6 +16,7 @@ from typing import Any
 from proxy.metrics import ProxyMetrics, multiprocess
 from proxy.plans.plan import Plan
 from proxy.plans.registry import Plans
+from proxy.upstream.fetcher import origin_of
 from proxy.upstream.resume import backoff_delay
 from shardcache.store import Store
 
@@ -32,11 +33,21 @@ PRESSED_WINDOW = 2
 MIN_GAP = 0.02  # seconds between passes at least: a stream of hits must not keep it busy
 
 
+URGENT = -1  # the tier of a plan's next shard, neither cached nor downloading
+
+
 class Scheduler:
     """Background downloads: each plan's lookahead first, then plain prefetch work.
 
-    ``start(url, reason)`` starts a download for the cache (None when it cannot start
-    here: another worker has it, or it is cached) and returns it acquired.
+    ``start(url, reason, urgent)`` starts a download for the cache (None when it cannot
+    start here: another worker has it, or it is cached) and returns it acquired.
+
+    Demanded bytes first: a plan's next shard (its reader asks for it next, or waits for
+    it already) is *urgent*: fetched in parts where the upstream allows
+    (:meth:`proxy.upstream.Fetcher.open`). While a reader follows an urgent download no
+    other background download of the same origin starts, so the origin's bandwidth goes
+    to the bytes a reader waits for; and a plan not read from yet has only its first
+    shard fetched until that is in (its reader asks for it at once).
     """
 
     def __init__(
@@ -47,7 +58,7 @@ class Scheduler:
         metrics: ProxyMetrics,
         *,
         concurrency: int,
-        start: Callable[[str, str], Awaitable[Any]],
+        start: Callable[[str, str, bool], Awaitable[Any]],
     ) -> None:
         self.plans = plans
         self.store = store
@@ -67,6 +78,7 @@ class Scheduler:
         # shard that fails or is not admitted is not asked for again on every pass
         self._backoff: dict[str, tuple[float, int]] = {}
         self._tasks: set[asyncio.Task] = set()  # following the downloads started here
+        self._watched: set[int] = set()  # ids of waited-for download tasks that wake a pass
 
     # -- work ----------------------------------------------------------------------------
 
@@ -155,9 +167,16 @@ class Scheduler:
             downloading = 0
             budget = plan.lookahead_bytes
             end = min(len(plan.urls), plan.position + lookahead)
+            # a plan not read from yet: its reader asks for its next shard at once, which
+            # gets the origin to itself until that is in (or the reader follows it)
+            starting = plan.requests == 0
             for dist, idx in enumerate(range(plan.position, end)):
                 url = plan.urls[idx]
                 entry = self.store.lookup(url)
+                if dist == 0:
+                    starting = starting and entry is None
+                elif starting:
+                    break
                 if entry is not None:
                     if contiguous:
                         ready_n += 1
@@ -175,7 +194,7 @@ class Scheduler:
                         # the reader's own window may evict entries needed later; the
                         # rest of the lookahead only fills room that costs no planned entry,
                         # and none while the plans need more than the cache holds
-                        tier = 0 if dist < needed else 1
+                        tier = (URGENT if dist == 0 else 0) if dist < needed else 1
                         if pressed and dist == 0:
                             if free < size:
                                 continue  # not admitted: its reader streams it anyway
@@ -201,12 +220,15 @@ class Scheduler:
         free = self.concurrency - len(running)
         # demand misses first: plans get the slots they leave, and one when none runs
         plan_slots = max(1 if want and not running else 0, free - demand)
-        for _tier, _dist, url, reason in want:
+        waited = self._waited_origins()
+        for tier, _dist, url, reason in want:
             if plan_slots <= 0:
                 break
             if url in running:
                 continue
-            if await self._launch(url, reason):
+            if origin_of(url) in waited:
+                continue  # the origin's bandwidth is a waiting reader's
+            if await self._launch(url, reason, urgent=tier == URGENT):
                 plan_slots -= 1
                 free -= 1
         if want:
@@ -219,8 +241,33 @@ class Scheduler:
                 continue
             if self.store.lookup(url) is not None:
                 continue
+            if origin_of(url) in waited:
+                self._queue.appendleft(url)  # its turn comes when the reader has its bytes
+                self._queued.add(url)
+                break
             if await self._launch(url, "prefetch"):
                 slots -= 1
+
+    def _waited_origins(self) -> set[str]:
+        """The origins of the urgent downloads a client follows (a plan's reader waits
+        for their bytes). Each such download wakes the scheduler when it ends."""
+        waited: set[str] = set()
+        for dl in self.inflight.in_progress():
+            task = dl.task
+            if not dl.urgent or dl.finished or task is None or task.done():
+                continue
+            mine = 1 if self._running.get(dl.url) is dl else 0
+            if dl.holders - 1 - mine <= 0:
+                continue  # nobody reads it yet
+            waited.add(origin_of(dl.url))
+            if id(task) not in self._watched:
+                self._watched.add(id(task))
+                task.add_done_callback(self._waited_ended)
+        return waited
+
+    def _waited_ended(self, task: asyncio.Task) -> None:
+        self._watched.discard(id(task))
+        self.plans.changed.set()
 
     def _pressed(self, advice: tuple[Mapping[str, float], Any, Any]) -> bool:
         """Whether the shards the plans still read add up to more than the cache holds.
@@ -249,12 +296,12 @@ class Scheduler:
         self._room = (now, members, room)
         return room
 
-    async def _launch(self, url: str, reason: str) -> bool:
+    async def _launch(self, url: str, reason: str, *, urgent: bool = False) -> bool:
         wait = self._backoff.get(url)
         if wait is not None and time.monotonic() < wait[0]:
             return False
         try:
-            dl = await self._start(url, reason)
+            dl = await self._start(url, reason, urgent)
         except Exception as exc:
             log.warning("cannot start background download of %s: %s", url, exc)
             return False
@@ -308,7 +355,8 @@ class Scheduler:
             if ok:
                 self.metrics.prefetch_bytes.labels(reason=reason).inc(dl.written)
                 took = time.monotonic() - began
-                self._fetch_seconds = _smooth(self._fetch_seconds, took)
+                if not dl.urgent:  # the windows are sized by one stream's time
+                    self._fetch_seconds = _smooth(self._fetch_seconds, took)
                 self._shard_bytes = _smooth(self._shard_bytes, float(dl.written))
             if reason == "prefetch":
                 self.prefetched["ok" if ok else "failed"] += 1
