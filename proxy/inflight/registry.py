@@ -317,12 +317,24 @@ class Inflight:
         if not should_admit(meta.size, self.cache_size):
             return None, await asyncio.to_thread(self.store.why_no_room, meta.size)
         try:
-            partial = await asyncio.to_thread(
-                # a download started ahead of its reader must be kept for it
-                functools.partial(
-                    self.store.begin, dl.url, meta.size, streamed=dl.reason == "demand"
+            begin = asyncio.ensure_future(
+                asyncio.to_thread(
+                    # a download started ahead of its reader must be kept for it
+                    functools.partial(
+                        self.store.begin, dl.url, meta.size, streamed=dl.reason == "demand"
+                    )
                 )
             )
+            try:
+                partial = await asyncio.shield(begin)
+            except asyncio.CancelledError:
+                # cancelled (shutting down) while the store created the partial file:
+                # it is this download's to remove, not a leftover for the next start
+                with contextlib.suppress(Exception):
+                    made = await begin
+                    if made is not None:
+                        await asyncio.to_thread(self.store.abort, made)
+                raise
             if partial is None:
                 return None, await asyncio.to_thread(self.store.why_no_room, meta.size)
             return partial, ""

@@ -34,6 +34,7 @@ MIN_GAP = 0.02  # seconds between passes at least: a stream of hits must not kee
 
 
 URGENT = -1  # the tier of a plan's next shard, neither cached nor downloading
+START_GRACE = 1.0  # seconds a new plan's reader has to ask for its first shard
 
 
 class Scheduler:
@@ -46,8 +47,8 @@ class Scheduler:
     it already) is *urgent*: fetched in parts where the upstream allows
     (:meth:`proxy.upstream.Fetcher.open`). While a reader follows an urgent download no
     other background download of the same origin starts, so the origin's bandwidth goes
-    to the bytes a reader waits for; and a plan not read from yet has only its first
-    shard fetched until that is in (its reader asks for it at once).
+    to the bytes a reader waits for; and a plan just registered has only its first shard
+    fetched until that is in or its reader follows it (for :data:`START_GRACE` at most).
     """
 
     def __init__(
@@ -167,9 +168,10 @@ class Scheduler:
             downloading = 0
             budget = plan.lookahead_bytes
             end = min(len(plan.urls), plan.position + lookahead)
-            # a plan not read from yet: its reader asks for its next shard at once, which
-            # gets the origin to itself until that is in (or the reader follows it)
-            starting = plan.requests == 0
+            # a plan just registered, not read from yet: its reader asks for its next
+            # shard at once, which gets the origin to itself until that is in, the
+            # reader follows it, or START_GRACE has passed (a plan registered ahead)
+            starting = plan.requests == 0 and now - plan.seen < START_GRACE
             for dist, idx in enumerate(range(plan.position, end)):
                 url = plan.urls[idx]
                 entry = self.store.lookup(url)
