@@ -44,6 +44,7 @@ from shardcache.errors import (
     ProxyError,
     RangeNotSatisfiable,
     UpstreamError,
+    UpstreamThrottled,
     UpstreamTimeout,
 )
 from shardcache.meta import ObjectMeta, origin_headers, parse_content_range
@@ -249,13 +250,14 @@ class Fetcher:
             try:
                 try:
                     body = await self._open_first_part(url, extra, index, urgent)
-                except (NotFound, RangeNotSatisfiable):
+                except (NotFound, RangeNotSatisfiable, UpstreamThrottled):
                     raise
                 except ProxyError as exc:
-                    if not urgent:
-                        raise
+                    if not urgent or exc.answer is None:
+                        raise  # no answer (unreachable, timed out): not about ranges
                     # parts were this proxy's choice, not asked for: an origin that
-                    # fails a ranged GET is asked the plain way, now and from now on
+                    # answers a ranged GET with an error is asked the plain way, now and
+                    # from now on
                     log.info("%s: a first part failed (%s); one stream from now on", url, exc)
                     self._refused_parts(url)
                     body = index = None

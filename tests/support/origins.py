@@ -60,6 +60,7 @@ class Fault:
     chunked: bool = False  # no Content-Length (Transfer-Encoding: chunked)
     bad_md5: bool = False  # send a wrong Content-MD5
     ignore_range: bool = False  # answer 200 to Range requests
+    range_status: int | None = None  # answer this status to Range requests
     gate: threading.Event | None = None  # wait for this before sending the body
 
 
@@ -128,6 +129,8 @@ class Origin:
         if fault.etag:
             headers["ETag"] = etag
         rng = request.headers.get("Range")
+        if rng and fault.range_status is not None:
+            return web.Response(status=fault.range_status, text=f"no ranges here: {rng}\n")
         if rng and not fault.ignore_range:
             im = request.headers.get("If-Match")
             if im is not None and im != etag:
