@@ -70,8 +70,8 @@ class Download:
         self.claimed = False  # holds the store's cross-process claim (--workers)
         self.reason = "demand"  # or what started it in the background: plan, prefetch
         # a read plan's reader waits for it now (or is about to): fetched in parts where
-        # the upstream allows, and the plans' other background downloads from its
-        # upstream wait until it ends (:class:`proxy.plans.Scheduler`)
+        # the upstream allows; while a client follows it, no other background download
+        # of its origin starts (:class:`proxy.plans.Scheduler`)
         self.urgent = False
         self.task: asyncio.Task | None = None
         self.opening: UpstreamBody | None = None  # an answer already open to start from
