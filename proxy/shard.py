@@ -498,12 +498,14 @@ async def _background(
     forwarded: bool = False,
     body: UpstreamBody | None = None,
     urgent: bool = False,
+    one_stream: bool = False,
 ) -> Download | None:
     """Start downloading ``url`` for the cache, no client following it, once per object
     across the workers of this port; the download (acquired for the caller), or None
     when it runs already, is cached, or the store takes no writes. ``body``: the
     object's answer, already open (the download starts from it). ``urgent``: a plan's
-    reader asks for it next (:attr:`Download.urgent`)."""
+    reader asks for it next (:attr:`Download.urgent`); ``one_stream``: never in parts
+    (:attr:`Download.one_stream`)."""
     inflight = app[INFLIGHT]
     if inflight.running(url) or not app[HEALTH].writable:
         return None
@@ -521,4 +523,5 @@ async def _background(
     dl = inflight.start(url, claimed=claimed, body=body)
     dl.reason = reason
     dl.urgent = urgent
+    dl.one_stream = one_stream
     return dl

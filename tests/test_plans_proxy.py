@@ -727,3 +727,38 @@ def test_an_origin_without_ranges_serves_a_plans_next_shard_in_one_stream(rig, f
     assert sum(origin.gets.values()) == len(files) + retried, dict(origin.gets)
     asked = [rng for _, rng, _ in origin.ranges]
     assert asked[0] is not None and asked[1:] == [None] * (len(files) - 1 + retried), asked
+
+
+def test_with_http_parts_on_the_lookahead_beside_a_waited_shard_comes_in_one_stream(rig) -> None:
+    """--http-parts on: the shards a plan fetches ahead while its reader's next shard
+    downloads come in one stream each, leaving the part requests to the shard the
+    reader needs first; every byte still crosses once."""
+    part = 64 << 10
+    files = {f"s{i:02d}.tar": bytes([i]) * (8 * part) for i in range(6)}
+    slow = {name: Fault(delay=0.01, chunk=16 << 10) for name in files}  # ~1.6 MB/s a connection
+    origin, proxy = rig(
+        files,
+        "--http-parts",
+        "on",
+        "--prefetch-concurrency",
+        "4",
+        "--part-size",
+        f"{part}B",
+        "--parallel",
+        "4",
+        faults=slow,
+    )
+    status, body, _ = _call(
+        proxy, "POST", "/-/plans", {"pattern": "/s{00..05}.tar", "lookahead": 4}
+    )
+    assert status == 201, body
+    for i in range(6):
+        status, _, data = _get(proxy, f"s{i:02d}.tar", {"X-Shardcache-Plan": body["id"]})
+        assert status == 200 and data == files[f"s{i:02d}.tar"].decode()
+    wait_idle(proxy.port)
+    assert len(_covered(origin, "s00.tar")) == 8  # the first shard in parts
+    whole = [name for name in files if _covered(origin, name) == [(0, 8 * part)]]
+    assert whole, origin.ranges  # at least one shard fetched ahead in one stream
+    for name in files:
+        spans = _covered(origin, name)
+        assert sum(e - s for s, e in spans) == len(files[name]), (name, spans)

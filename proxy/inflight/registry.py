@@ -289,11 +289,15 @@ class Inflight:
         An urgent download (a plan's reader waits for it) comes in parts where it can."""
         at = dl.first_preferred
         try:
-            return await self.fetcher.open(dl.url, dl.headers, at=at, urgent=dl.urgent)
+            return await self.fetcher.open(
+                dl.url, dl.headers, at=at, urgent=dl.urgent, one_stream=dl.one_stream
+            )
         except RangeNotSatisfiable:
             if at is None or dl.holders <= 2:  # this task and the reader that asked
                 raise
-            return await self.fetcher.open(dl.url, dl.headers, urgent=dl.urgent)
+            return await self.fetcher.open(
+                dl.url, dl.headers, urgent=dl.urgent, one_stream=dl.one_stream
+            )
 
     async def _admit(self, dl: Download, meta: ObjectMeta) -> tuple[Partial | None, str]:
         """A partial file for the download, or None and why it is not cached."""

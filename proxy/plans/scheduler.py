@@ -40,15 +40,18 @@ START_GRACE = 1.0  # seconds a new plan's reader has to ask for its first shard
 class Scheduler:
     """Background downloads: each plan's lookahead first, then plain prefetch work.
 
-    ``start(url, reason, urgent)`` starts a download for the cache (None when it cannot
-    start here: another worker has it, or it is cached) and returns it acquired.
+    ``start(url, reason, urgent, one_stream)`` starts a download for the cache (None
+    when it cannot start here: another worker has it, or it is cached) and returns it
+    acquired.
 
     Demanded bytes first: a plan's next shard (its reader asks for it next, or waits for
     it already) is *urgent*: fetched in parts where the upstream allows
     (:meth:`proxy.upstream.Fetcher.open`). While a reader follows an urgent download no
     other background download of the same origin starts, so the origin's bandwidth goes
-    to the bytes a reader waits for; and a plan just registered has only its first shard
-    fetched until that is in or its reader follows it (for :data:`START_GRACE` at most).
+    to the bytes a reader waits for; one started beside an urgent download comes in one
+    stream (even with ``--http-parts on``), leaving it the part requests; and a plan just
+    registered has only its first shard fetched until that is in or its reader follows
+    it (for :data:`START_GRACE` at most).
     """
 
     def __init__(
@@ -59,7 +62,7 @@ class Scheduler:
         metrics: ProxyMetrics,
         *,
         concurrency: int,
-        start: Callable[[str, str, bool], Awaitable[Any]],
+        start: Callable[[str, str, bool, bool], Awaitable[Any]],
     ) -> None:
         self.plans = plans
         self.store = store
@@ -222,17 +225,23 @@ class Scheduler:
         free = self.concurrency - len(running)
         # demand misses first: plans get the slots they leave, and one when none runs
         plan_slots = max(1 if want and not running else 0, free - demand)
-        waited = self._waited_origins()
+        urgent, waited = self._urgent_origins()
         for tier, _dist, url, reason in want:
             if plan_slots <= 0:
                 break
             if url in running:
                 continue
-            if origin_of(url) in waited:
+            origin = origin_of(url)
+            if origin in waited:
                 continue  # the origin's bandwidth is a waiting reader's
-            if await self._launch(url, reason, urgent=tier == URGENT):
+            # beside an urgent download: one stream, leaving it the part requests
+            if await self._launch(
+                url, reason, urgent=tier == URGENT, one_stream=tier != URGENT and origin in urgent
+            ):
                 plan_slots -= 1
                 free -= 1
+                if tier == URGENT:
+                    urgent.add(origin)
         if want:
             return  # plain prefetch waits for every plan's lookahead
         slots = free - demand
@@ -247,17 +256,20 @@ class Scheduler:
                 self._queue.appendleft(url)  # its turn comes when the reader has its bytes
                 self._queued.add(url)
                 break
-            if await self._launch(url, "prefetch"):
+            if await self._launch(url, "prefetch", one_stream=origin_of(url) in urgent):
                 slots -= 1
 
-    def _waited_origins(self) -> set[str]:
-        """The origins of the urgent downloads a client follows (a plan's reader waits
-        for their bytes). Each such download wakes the scheduler when it ends."""
+    def _urgent_origins(self) -> tuple[set[str], set[str]]:
+        """The origins of the urgent downloads in progress, and of those a client
+        follows (a plan's reader waits for their bytes). Each followed one wakes the
+        scheduler when it ends."""
+        urgent: set[str] = set()
         waited: set[str] = set()
         for dl in self.inflight.in_progress():
             task = dl.task
             if not dl.urgent or dl.finished or task is None or task.done():
                 continue
+            urgent.add(origin_of(dl.url))
             mine = 1 if self._running.get(dl.url) is dl else 0
             if dl.holders - 1 - mine <= 0:
                 continue  # nobody reads it yet
@@ -265,7 +277,7 @@ class Scheduler:
             if id(task) not in self._watched:
                 self._watched.add(id(task))
                 task.add_done_callback(self._waited_ended)
-        return waited
+        return urgent, waited
 
     def _waited_ended(self, task: asyncio.Task) -> None:
         self._watched.discard(id(task))
@@ -298,12 +310,14 @@ class Scheduler:
         self._room = (now, members, room)
         return room
 
-    async def _launch(self, url: str, reason: str, *, urgent: bool = False) -> bool:
+    async def _launch(
+        self, url: str, reason: str, *, urgent: bool = False, one_stream: bool = False
+    ) -> bool:
         wait = self._backoff.get(url)
         if wait is not None and time.monotonic() < wait[0]:
             return False
         try:
-            dl = await self._start(url, reason, urgent)
+            dl = await self._start(url, reason, urgent, one_stream)
         except Exception as exc:
             log.warning("cannot start background download of %s: %s", url, exc)
             return False

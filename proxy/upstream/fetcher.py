@@ -221,6 +221,7 @@ class Fetcher:
         *,
         at: int | None = None,
         urgent: bool = False,
+        one_stream: bool = False,
     ) -> UpstreamBody:
         """Request ``url`` and return once its headers are in. Raises ProxyError.
         ``headers``: the end-to-end fields of the client that asked (see
@@ -240,11 +241,14 @@ class Fetcher:
         ``http(s)://`` object comes in parts too when ``http_parts`` is off, if its origin
         serves ranges pinned by a strong ETag (up to ``parallel`` requests, the bytes
         once). A reader held up by one connection's rate gets the origin's.
+        ``one_stream``: an ``http(s)://`` object in one stream even with ``http_parts``
+        (a background download beside an urgent one leaves it the connections).
         """
         scheme = urlsplit(url).scheme.lower()
         extra = dict(headers or {})
         urgent = urgent and not self.http_parts and self._urgent_parts(url)
-        if self._parts_for(scheme, urgent):
+        one_stream = one_stream and scheme in ("http", "https")
+        if self._parts_for(scheme, urgent) and not one_stream:
             index = at // self.part_size if at is not None and at > 0 else 0
             head = asyncio.ensure_future(self._head_digests(url)) if scheme == "s3" else None
             try:
@@ -282,7 +286,8 @@ class Fetcher:
             if body is not None:
                 return body
         resp = await self._request("GET", url, extra, (200,), stream=True)
-        return self._body(url, resp, ObjectMeta.from_headers(resp.headers, 200))
+        meta = ObjectMeta.from_headers(resp.headers, 200)
+        return self._body(url, resp, meta, in_parts=not one_stream)
 
     async def _head_digests(self, url: str) -> tuple[str | None, tuple[tuple[str, str], ...]]:
         """The ETag of ``url`` and the whole-object digests a HEAD declares; nothing when
@@ -357,11 +362,18 @@ class Fetcher:
         return self._body(url, resp, meta, index, urgent)
 
     def _body(
-        self, url: str, resp: Response, meta: ObjectMeta, index: int = 0, urgent: bool = False
+        self,
+        url: str,
+        resp: Response,
+        meta: ObjectMeta,
+        index: int = 0,
+        urgent: bool = False,
+        *,
+        in_parts: bool = True,
     ) -> UpstreamBody:
         """The body of ``resp``, an open answer from byte 0 of version ``meta`` (or of
-        its part ``index``): in parallel parts when they are wanted and possible, else
-        one resumable stream."""
+        its part ``index``): in parallel parts when they are wanted and possible (and
+        ``in_parts``), else one resumable stream."""
         encoding = resp.headers.get("Content-Encoding")
         if encoding and encoding.lower() != "identity":
             # bytes are stored exactly as sent; a compressed representation is not a shard
@@ -369,7 +381,11 @@ class Fetcher:
         scheme = urlsplit(url).scheme.lower()
         meta, prefix_md5 = self._declared(scheme, resp, meta)
         transport = self.transport(url, stream=True)
-        if self._parts_for(scheme, urgent) and can_fetch_in_parts(meta, self.part_size):
+        if (
+            in_parts
+            and self._parts_for(scheme, urgent)
+            and can_fetch_in_parts(meta, self.part_size)
+        ):
             order = PartsOrder()
 
             def parts(sink: Any) -> Any:
