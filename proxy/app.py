@@ -265,8 +265,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     store.planner = plans.planner
     app[PLANS] = plans
 
-    async def start(url: str, reason: str) -> Download | None:
-        return await _background(app, url, reason)
+    async def start(
+        url: str, reason: str, urgent: bool = False, one_stream: bool = False
+    ) -> Download | None:
+        return await _background(app, url, reason, urgent=urgent, one_stream=one_stream)
 
     app[SCHEDULER] = Scheduler(
         plans, store, app[INFLIGHT], m, concurrency=s.prefetch_concurrency, start=start

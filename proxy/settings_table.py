@@ -377,7 +377,8 @@ SETTINGS: tuple[Setting, ...] = (
         "http_parts",
         UPSTREAM.http_parts,
         "on: also fetch large http(s) shards in parallel ranged parts (s3:// always are); "
-        "for origins that limit each connection",
+        "for origins that limit each connection. off still fetches in parts the shard a "
+        "read plan's reader asks for next, where the origin allows",
         _on_off,
         metavar="on|off",
         group="performance",

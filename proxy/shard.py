@@ -208,6 +208,8 @@ async def _shard(request: web.Request) -> web.StreamResponse:
                     dl = inflight.start(
                         url, claimed=claimed, headers=forwarded_fields(request.headers)
                     )
+                    # a plan's reader waits for it: in parts, ahead of the plans' lookahead
+                    dl.urgent = bool(request.get(T_PLANS))
                     cache = XCache.MISS
                 elif claimed:
                     # started meanwhile by another request of this worker, under the same claim
@@ -507,11 +509,15 @@ async def _background(
     *,
     forwarded: bool = False,
     body: UpstreamBody | None = None,
+    urgent: bool = False,
+    one_stream: bool = False,
 ) -> Download | None:
     """Start downloading ``url`` for the cache, no client following it, once per object
     across the workers of this port; the download (acquired for the caller), or None
     when it runs already, is cached, or the store takes no writes. ``body``: the
-    object's answer, already open (the download starts from it)."""
+    object's answer, already open (the download starts from it). ``urgent``: a plan's
+    reader asks for it next (:attr:`Download.urgent`); ``one_stream``: never in parts
+    (:attr:`Download.one_stream`)."""
     inflight = app[INFLIGHT]
     if inflight.running(url) or not app[HEALTH].writable:
         return None
@@ -528,4 +534,6 @@ async def _background(
         return None
     dl = inflight.start(url, claimed=claimed, body=body)
     dl.reason = reason
+    dl.urgent = urgent
+    dl.one_stream = one_stream
     return dl

@@ -652,3 +652,113 @@ async def test_workers_replacing_plans_at_once_stay_within_max_plans(tmp_path: P
         raise AssertionError("a third plan was registered beyond --max-plans 2")
     for s in stores:
         s.close()
+
+
+def _covered(origin: Origin, name: str) -> list[tuple[int, int]]:
+    """The byte ranges ``[start, end)`` the GETs of ``name`` asked for, sorted."""
+    size = len(origin.files[name])
+    spans = []
+    for path, rng, _ in origin.ranges:
+        if path != name:
+            continue
+        if rng is None:
+            spans.append((0, size))
+            continue
+        first, _, last = rng.removeprefix("bytes=").partition("-")
+        spans.append((int(first), min(int(last) + 1, size) if last else size))
+    return sorted(spans)
+
+
+def test_a_plans_next_shard_comes_first_and_in_parts(rig) -> None:
+    """The shard a plan's reader waits for gets the origin first: fetched in ranged parts
+    although --http-parts is off (the origin limits each connection), and no other shard
+    of the plan is asked for before all its parts are; every byte crosses once."""
+    part = 64 << 10
+    files = {f"s{i:02d}.tar": bytes([i]) * (8 * part) for i in range(6)}
+    slow = {name: Fault(delay=0.01, chunk=16 << 10) for name in files}  # ~1.6 MB/s a connection
+    origin, proxy = rig(
+        files,
+        "--prefetch-concurrency",
+        "4",
+        "--part-size",
+        f"{part}B",
+        "--parallel",
+        "4",
+        faults=slow,
+    )
+    status, body, _ = _call(
+        proxy, "POST", "/-/plans", {"pattern": "/s{00..05}.tar", "lookahead": 4}
+    )
+    assert status == 201, body
+    pid = body["id"]
+    for i in range(6):  # the reader, at once
+        status, _, data = _get(proxy, f"s{i:02d}.tar", {"X-Shardcache-Plan": pid})
+        assert status == 200 and data == files[f"s{i:02d}.tar"].decode()
+    wait_idle(proxy.port)
+    first = _covered(origin, "s00.tar")
+    assert first == [(k * part, (k + 1) * part) for k in range(8)], first  # 8 parts, once each
+    starts = [name for kind, name, _ in origin.events if kind == "start"]
+    last_part = max(i for i, name in enumerate(starts) if name == "s00.tar")
+    assert set(starts[: last_part + 1]) == {"s00.tar"}, starts  # nothing else meanwhile
+    for name in files:  # every byte of every shard asked for once
+        spans = _covered(origin, name)
+        assert sum(e - s for s, e in spans) == len(files[name]), (name, spans)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), (name, spans)
+
+
+@pytest.mark.parametrize(
+    "fault", [Fault(ignore_range=True), Fault(range_status=400)], ids=["range-ignored", "range-400"]
+)
+def test_an_origin_without_ranges_serves_a_plans_next_shard_in_one_stream(rig, fault) -> None:
+    """Parts the operator did not ask for are tried once per origin: an origin that
+    answers a ranged GET with the whole object, or with an error, is asked with plain
+    GETs from then on, and the reader gets its shard."""
+    part = 64 << 10
+    files = {f"s{i:02d}.tar": bytes([i]) * (4 * part) for i in range(3)}
+    faults = {name: fault for name in files}
+    origin, proxy = rig(files, "--part-size", f"{part}B", "--parallel", "4", faults=faults)
+    status, body, _ = _call(proxy, "POST", "/-/plans", {"pattern": "/s{00..02}.tar"})
+    assert status == 201, body
+    for name in sorted(files):
+        status, _, data = _get(proxy, name, {"X-Shardcache-Plan": body["id"]})
+        assert status == 200 and data == files[name].decode()
+    wait_idle(proxy.port)
+    retried = 1 if fault.range_status else 0  # the first shard again, in one stream
+    assert sum(origin.gets.values()) == len(files) + retried, dict(origin.gets)
+    asked = [rng for _, rng, _ in origin.ranges]
+    assert asked[0] is not None and asked[1:] == [None] * (len(files) - 1 + retried), asked
+
+
+def test_with_http_parts_on_the_lookahead_beside_a_waited_shard_comes_in_one_stream(rig) -> None:
+    """--http-parts on: the shards a plan fetches ahead while its reader's next shard
+    downloads come in one stream each, leaving the part requests to the shard the
+    reader needs first; every byte still crosses once."""
+    part = 64 << 10
+    files = {f"s{i:02d}.tar": bytes([i]) * (8 * part) for i in range(6)}
+    slow = {name: Fault(delay=0.01, chunk=16 << 10) for name in files}  # ~1.6 MB/s a connection
+    origin, proxy = rig(
+        files,
+        "--http-parts",
+        "on",
+        "--prefetch-concurrency",
+        "4",
+        "--part-size",
+        f"{part}B",
+        "--parallel",
+        "4",
+        faults=slow,
+    )
+    status, body, _ = _call(
+        proxy, "POST", "/-/plans", {"pattern": "/s{00..05}.tar", "lookahead": 4}
+    )
+    assert status == 201, body
+    for i in range(6):
+        status, _, data = _get(proxy, f"s{i:02d}.tar", {"X-Shardcache-Plan": body["id"]})
+        assert status == 200 and data == files[f"s{i:02d}.tar"].decode()
+    wait_idle(proxy.port)
+    assert len(_covered(origin, "s00.tar")) == 8  # the first shard in parts
+    whole = [name for name in files if _covered(origin, name) == [(0, 8 * part)]]
+    assert whole, origin.ranges  # at least one shard fetched ahead in one stream
+    for name in files:
+        spans = _covered(origin, name)
+        assert sum(e - s for s, e in spans) == len(files[name]), (name, spans)

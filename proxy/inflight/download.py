@@ -69,6 +69,13 @@ class Download:
         self.bypass_reason = ""
         self.claimed = False  # holds the store's cross-process claim (--workers)
         self.reason = "demand"  # or what started it in the background: plan, prefetch
+        # a read plan's reader waits for it now (or is about to): fetched in parts where
+        # the upstream allows; while a client follows it, no other background download
+        # of its origin starts (:class:`proxy.plans.Scheduler`)
+        self.urgent = False
+        # started beside an urgent download of the same origin: one stream, never parts,
+        # so the urgent one keeps most of the origin's connections
+        self.one_stream = False
         self.task: asyncio.Task | None = None
         self.opening: UpstreamBody | None = None  # an answer already open to start from
         self.headers: dict[str, str] = {}  # the first client's end-to-end request fields

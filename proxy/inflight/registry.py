@@ -285,14 +285,19 @@ class Inflight:
     async def _open(self, dl: Download) -> UpstreamBody:
         """The upstream body of ``dl``, starting (in parts) with the part its first
         reader waits for. When the object ends before that byte, the reader's answer is
-        a 416 — unless other clients joined meanwhile: the object is theirs to have."""
+        a 416 — unless other clients joined meanwhile: the object is theirs to have.
+        An urgent download (a plan's reader waits for it) comes in parts where it can."""
         at = dl.first_preferred
         try:
-            return await self.fetcher.open(dl.url, dl.headers, at=at)
+            return await self.fetcher.open(
+                dl.url, dl.headers, at=at, urgent=dl.urgent, one_stream=dl.one_stream
+            )
         except RangeNotSatisfiable:
             if at is None or dl.holders <= 2:  # this task and the reader that asked
                 raise
-            return await self.fetcher.open(dl.url, dl.headers)
+            return await self.fetcher.open(
+                dl.url, dl.headers, urgent=dl.urgent, one_stream=dl.one_stream
+            )
 
     async def _admit(self, dl: Download, meta: ObjectMeta) -> tuple[Partial | None, str]:
         """A partial file for the download, or None and why it is not cached."""
@@ -316,12 +321,24 @@ class Inflight:
         if not should_admit(meta.size, self.cache_size):
             return None, await asyncio.to_thread(self.store.why_no_room, meta.size)
         try:
-            partial = await asyncio.to_thread(
-                # a download started ahead of its reader must be kept for it
-                functools.partial(
-                    self.store.begin, dl.url, meta.size, streamed=dl.reason == "demand"
+            begin = asyncio.ensure_future(
+                asyncio.to_thread(
+                    # a download started ahead of its reader must be kept for it
+                    functools.partial(
+                        self.store.begin, dl.url, meta.size, streamed=dl.reason == "demand"
+                    )
                 )
             )
+            try:
+                partial = await asyncio.shield(begin)
+            except asyncio.CancelledError:
+                # cancelled (shutting down) while the store created the partial file:
+                # it is this download's to remove, not a leftover for the next start
+                with contextlib.suppress(Exception):
+                    made = await begin
+                    if made is not None:
+                        await asyncio.to_thread(self.store.abort, made)
+                raise
             if partial is None:
                 return None, await asyncio.to_thread(self.store.why_no_room, meta.size)
             return partial, ""

@@ -16,6 +16,7 @@ from typing import Any
 from proxy.metrics import ProxyMetrics, multiprocess
 from proxy.plans.plan import Plan
 from proxy.plans.registry import Plans
+from proxy.upstream.fetcher import origin_of
 from proxy.upstream.resume import backoff_delay
 from shardcache.store import Store
 
@@ -32,11 +33,25 @@ PRESSED_WINDOW = 2
 MIN_GAP = 0.02  # seconds between passes at least: a stream of hits must not keep it busy
 
 
+URGENT = -1  # the tier of a plan's next shard, neither cached nor downloading
+START_GRACE = 1.0  # seconds a new plan's reader has to ask for its first shard
+
+
 class Scheduler:
     """Background downloads: each plan's lookahead first, then plain prefetch work.
 
-    ``start(url, reason)`` starts a download for the cache (None when it cannot start
-    here: another worker has it, or it is cached) and returns it acquired.
+    ``start(url, reason, urgent, one_stream)`` starts a download for the cache (None
+    when it cannot start here: another worker has it, or it is cached) and returns it
+    acquired.
+
+    Demanded bytes first: a plan's next shard (its reader asks for it next, or waits for
+    it already) is *urgent*: fetched in parts where the upstream allows
+    (:meth:`proxy.upstream.Fetcher.open`). While a reader follows an urgent download no
+    other background download of the same origin starts, so the origin's bandwidth goes
+    to the bytes a reader waits for; one started beside an urgent download comes in one
+    stream (even with ``--http-parts on``), leaving it the part requests; and a plan just
+    registered has only its first shard fetched until that is in or its reader follows
+    it (for :data:`START_GRACE` at most).
     """
 
     def __init__(
@@ -47,7 +62,7 @@ class Scheduler:
         metrics: ProxyMetrics,
         *,
         concurrency: int,
-        start: Callable[[str, str], Awaitable[Any]],
+        start: Callable[[str, str, bool, bool], Awaitable[Any]],
     ) -> None:
         self.plans = plans
         self.store = store
@@ -67,6 +82,7 @@ class Scheduler:
         # shard that fails or is not admitted is not asked for again on every pass
         self._backoff: dict[str, tuple[float, int]] = {}
         self._tasks: set[asyncio.Task] = set()  # following the downloads started here
+        self._watched: set[int] = set()  # ids of waited-for download tasks that wake a pass
 
     # -- work ----------------------------------------------------------------------------
 
@@ -155,9 +171,17 @@ class Scheduler:
             downloading = 0
             budget = plan.lookahead_bytes
             end = min(len(plan.urls), plan.position + lookahead)
+            # a plan just registered, not read from yet: its reader asks for its next
+            # shard at once, which gets the origin to itself until that is in, the
+            # reader follows it, or START_GRACE has passed (a plan registered ahead)
+            starting = plan.requests == 0 and now - plan.seen < START_GRACE
             for dist, idx in enumerate(range(plan.position, end)):
                 url = plan.urls[idx]
                 entry = self.store.lookup(url)
+                if dist == 0:
+                    starting = starting and entry is None
+                elif starting:
+                    break
                 if entry is not None:
                     if contiguous:
                         ready_n += 1
@@ -175,7 +199,7 @@ class Scheduler:
                         # the reader's own window may evict entries needed later; the
                         # rest of the lookahead only fills room that costs no planned entry,
                         # and none while the plans need more than the cache holds
-                        tier = 0 if dist < needed else 1
+                        tier = (URGENT if dist == 0 else 0) if dist < needed else 1
                         if pressed and dist == 0:
                             if free < size:
                                 continue  # not admitted: its reader streams it anyway
@@ -201,14 +225,23 @@ class Scheduler:
         free = self.concurrency - len(running)
         # demand misses first: plans get the slots they leave, and one when none runs
         plan_slots = max(1 if want and not running else 0, free - demand)
-        for _tier, _dist, url, reason in want:
+        urgent, waited = self._urgent_origins()
+        for tier, _dist, url, reason in want:
             if plan_slots <= 0:
                 break
             if url in running:
                 continue
-            if await self._launch(url, reason):
+            origin = origin_of(url)
+            if origin in waited:
+                continue  # the origin's bandwidth is a waiting reader's
+            # beside an urgent download: one stream, leaving it the part requests
+            if await self._launch(
+                url, reason, urgent=tier == URGENT, one_stream=tier != URGENT and origin in urgent
+            ):
                 plan_slots -= 1
                 free -= 1
+                if tier == URGENT:
+                    urgent.add(origin)
         if want:
             return  # plain prefetch waits for every plan's lookahead
         slots = free - demand
@@ -219,8 +252,36 @@ class Scheduler:
                 continue
             if self.store.lookup(url) is not None:
                 continue
-            if await self._launch(url, "prefetch"):
+            if origin_of(url) in waited:
+                self._queue.appendleft(url)  # its turn comes when the reader has its bytes
+                self._queued.add(url)
+                break
+            if await self._launch(url, "prefetch", one_stream=origin_of(url) in urgent):
                 slots -= 1
+
+    def _urgent_origins(self) -> tuple[set[str], set[str]]:
+        """The origins of the urgent downloads in progress, and of those a client
+        follows (a plan's reader waits for their bytes). Each followed one wakes the
+        scheduler when it ends."""
+        urgent: set[str] = set()
+        waited: set[str] = set()
+        for dl in self.inflight.in_progress():
+            task = dl.task
+            if not dl.urgent or dl.finished or task is None or task.done():
+                continue
+            urgent.add(origin_of(dl.url))
+            mine = 1 if self._running.get(dl.url) is dl else 0
+            if dl.holders - 1 - mine <= 0:
+                continue  # nobody reads it yet
+            waited.add(origin_of(dl.url))
+            if id(task) not in self._watched:
+                self._watched.add(id(task))
+                task.add_done_callback(self._waited_ended)
+        return urgent, waited
+
+    def _waited_ended(self, task: asyncio.Task) -> None:
+        self._watched.discard(id(task))
+        self.plans.changed.set()
 
     def _pressed(self, advice: tuple[Mapping[str, float], Any, Any]) -> bool:
         """Whether the shards the plans still read add up to more than the cache holds.
@@ -249,12 +310,14 @@ class Scheduler:
         self._room = (now, members, room)
         return room
 
-    async def _launch(self, url: str, reason: str) -> bool:
+    async def _launch(
+        self, url: str, reason: str, *, urgent: bool = False, one_stream: bool = False
+    ) -> bool:
         wait = self._backoff.get(url)
         if wait is not None and time.monotonic() < wait[0]:
             return False
         try:
-            dl = await self._start(url, reason)
+            dl = await self._start(url, reason, urgent, one_stream)
         except Exception as exc:
             log.warning("cannot start background download of %s: %s", url, exc)
             return False
@@ -308,7 +371,8 @@ class Scheduler:
             if ok:
                 self.metrics.prefetch_bytes.labels(reason=reason).inc(dl.written)
                 took = time.monotonic() - began
-                self._fetch_seconds = _smooth(self._fetch_seconds, took)
+                if not dl.urgent:  # the windows are sized by one stream's time
+                    self._fetch_seconds = _smooth(self._fetch_seconds, took)
                 self._shard_bytes = _smooth(self._shard_bytes, float(dl.written))
             if reason == "prefetch":
                 self.prefetched["ok" if ok else "failed"] += 1

@@ -44,11 +44,12 @@ from shardcache.errors import (
     ProxyError,
     RangeNotSatisfiable,
     UpstreamError,
+    UpstreamThrottled,
     UpstreamTimeout,
 )
 from shardcache.meta import ObjectMeta, origin_headers, parse_content_range
 
-__all__ = ["Fetcher", "RangeAnswer", "Revalidation"]
+__all__ = ["Fetcher", "RangeAnswer", "Revalidation", "origin_of"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,12 @@ PROC_FD = os.path.isdir("/proc/self/fd")  # parts written at their offsets need 
 
 def _noop(outcome: str) -> None:
     pass
+
+
+def origin_of(url: str) -> str:
+    """``scheme://host[:port]`` of ``url``, lowercased: the origin its bytes come from."""
+    parts = urlsplit(url)
+    return f"{parts.scheme.lower()}://{parts.netloc.lower()}"
 
 
 class Fetcher:
@@ -108,6 +115,9 @@ class Fetcher:
         self.redirects = redirects if redirects is not None else RedirectPolicy()
         self.credentials = credentials if credentials is not None else Credentials()
         self._targets: OrderedDict[str, Target] = OrderedDict()
+        # http(s) origins (scheme://host) that answered a first part in a way parts
+        # cannot build on: a reader's urgent download goes there in one stream
+        self._no_parts: set[str] = set()
 
     async def close(self) -> None:
         """Close the upstream connection pools."""
@@ -121,9 +131,23 @@ class Fetcher:
         """Whether a large object at ``url`` is downloaded in parallel ranged parts."""
         return self._parts_for(urlsplit(url).scheme.lower())
 
-    def _parts_for(self, scheme: str) -> bool:
-        wanted = scheme in ("s3", "gs", "az") or (scheme in ("http", "https") and self.http_parts)
+    def _parts_for(self, scheme: str, urgent: bool = False) -> bool:
+        wanted = scheme in ("s3", "gs", "az") or (
+            scheme in ("http", "https") and (self.http_parts or urgent)
+        )
         return wanted and self.parallel > 1 and self.part_size > 0
+
+    def _urgent_parts(self, url: str) -> bool:
+        """Whether an object a reader waits for now may come in parts although
+        ``http_parts`` is off: an http(s) origin not yet seen to refuse them (no ranges,
+        no strong ETag). One that did is asked with plain GETs from then on, so the
+        bytes of a part request it cannot serve are lost at most once."""
+        origin = origin_of(url)
+        return origin.startswith(("http://", "https://")) and origin not in self._no_parts
+
+    def _refused_parts(self, url: str) -> None:
+        if len(self._no_parts) < 10_000:
+            self._no_parts.add(origin_of(url))
 
     def transport(self, url: str, *, stream: bool = False) -> Transport:
         """The transport for ``url``; ``stream``: for one whole-object stream (the
@@ -191,7 +215,13 @@ class Fetcher:
     # -- whole objects ---------------------------------------------------------------------
 
     async def open(
-        self, url: str, headers: Mapping[str, str] | None = None, *, at: int | None = None
+        self,
+        url: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        at: int | None = None,
+        urgent: bool = False,
+        one_stream: bool = False,
     ) -> UpstreamBody:
         """Request ``url`` and return once its headers are in. Raises ProxyError.
         ``headers``: the end-to-end fields of the client that asked (see
@@ -207,16 +237,36 @@ class Fetcher:
         ``at``: a byte a reader waits for (a cold Range): the first request asks for the
         part holding it instead, so that range is answered first; RangeNotSatisfiable
         (with the size) when the object ends before it.
+        ``urgent``: a reader waits for this object now (a read plan's next shard): an
+        ``http(s)://`` object comes in parts too when ``http_parts`` is off, if its origin
+        serves ranges pinned by a strong ETag (up to ``parallel`` requests, the bytes
+        once). A reader held up by one connection's rate gets the origin's.
+        ``one_stream``: an ``http(s)://`` object in one stream even with ``http_parts``
+        (a background download beside an urgent one leaves it the connections).
         """
         scheme = urlsplit(url).scheme.lower()
         extra = dict(headers or {})
-        if self._parts_for(scheme):
+        urgent = urgent and not self.http_parts and self._urgent_parts(url)
+        one_stream = one_stream and scheme in ("http", "https")
+        if self._parts_for(scheme, urgent) and not one_stream:
             index = at // self.part_size if at is not None and at > 0 else 0
             head = asyncio.ensure_future(self._head_digests(url)) if scheme == "s3" else None
             try:
-                body = await self._open_first_part(url, extra, index)
+                try:
+                    body = await self._open_first_part(url, extra, index, urgent)
+                except (NotFound, RangeNotSatisfiable, UpstreamThrottled):
+                    raise
+                except ProxyError as exc:
+                    if not urgent or exc.answer is None:
+                        raise  # no answer (unreachable, timed out): not about ranges
+                    # parts were this proxy's choice, not asked for: an origin that
+                    # answers a ranged GET with an error is asked the plain way, now and
+                    # from now on
+                    log.info("%s: a first part failed (%s); one stream from now on", url, exc)
+                    self._refused_parts(url)
+                    body = index = None
                 if body is None and index:
-                    body = await self._open_first_part(url, extra, 0)
+                    body = await self._open_first_part(url, extra, 0, urgent)
             except BaseException:
                 if head is not None:
                     head.cancel()
@@ -236,7 +286,8 @@ class Fetcher:
             if body is not None:
                 return body
         resp = await self._request("GET", url, extra, (200,), stream=True)
-        return self._body(url, resp, ObjectMeta.from_headers(resp.headers, 200))
+        meta = ObjectMeta.from_headers(resp.headers, 200)
+        return self._body(url, resp, meta, in_parts=not one_stream)
 
     async def _head_digests(self, url: str) -> tuple[str | None, tuple[tuple[str, str], ...]]:
         """The ETag of ``url`` and the whole-object digests a HEAD declares; nothing when
@@ -252,7 +303,7 @@ class Fetcher:
         return resp.headers.get("ETag"), declared_digests(resp.headers, 200, s3=True)
 
     async def _open_first_part(
-        self, url: str, extra: dict[str, str], index: int = 0
+        self, url: str, extra: dict[str, str], index: int = 0, urgent: bool = False
     ) -> UpstreamBody | None:
         """``url`` opened with a ranged GET of its part ``index`` (0: its first), or
         None when a plain GET (or part 0) must follow (an empty object, or an answer the
@@ -277,6 +328,8 @@ class Fetcher:
             # Range ignored (whatever Accept-Ranges claims): the whole object in one
             # stream, no part asked of an origin that answers every range with all of it
             meta = replace(ObjectMeta.from_headers(resp.headers, 200), accept_ranges=False)
+            if urgent:
+                self._refused_parts(url)
             return self._body(url, resp, meta)
         usable = False
         meta = ObjectMeta(size=None)
@@ -303,13 +356,24 @@ class Fetcher:
             # with a plain GET
             log.debug("upstream %s answered %s to %s: plain GET", url, resp.status, header)
             resp.close()
+            if urgent and resp.status != 416:
+                self._refused_parts(url)
             return None
-        return self._body(url, resp, meta, index)
+        return self._body(url, resp, meta, index, urgent)
 
-    def _body(self, url: str, resp: Response, meta: ObjectMeta, index: int = 0) -> UpstreamBody:
+    def _body(
+        self,
+        url: str,
+        resp: Response,
+        meta: ObjectMeta,
+        index: int = 0,
+        urgent: bool = False,
+        *,
+        in_parts: bool = True,
+    ) -> UpstreamBody:
         """The body of ``resp``, an open answer from byte 0 of version ``meta`` (or of
-        its part ``index``): in parallel parts when they are wanted and possible, else
-        one resumable stream."""
+        its part ``index``): in parallel parts when they are wanted and possible (and
+        ``in_parts``), else one resumable stream."""
         encoding = resp.headers.get("Content-Encoding")
         if encoding and encoding.lower() != "identity":
             # bytes are stored exactly as sent; a compressed representation is not a shard
@@ -317,7 +381,11 @@ class Fetcher:
         scheme = urlsplit(url).scheme.lower()
         meta, prefix_md5 = self._declared(scheme, resp, meta)
         transport = self.transport(url, stream=True)
-        if self._parts_for(scheme) and can_fetch_in_parts(meta, self.part_size):
+        if (
+            in_parts
+            and self._parts_for(scheme, urgent)
+            and can_fetch_in_parts(meta, self.part_size)
+        ):
             order = PartsOrder()
 
             def parts(sink: Any) -> Any:

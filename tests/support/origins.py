@@ -61,6 +61,7 @@ class Fault:
     chunked: bool = False  # no Content-Length (Transfer-Encoding: chunked)
     bad_md5: bool = False  # send a wrong Content-MD5
     ignore_range: bool = False  # answer 200 to Range requests
+    range_status: int | None = None  # answer this status to Range requests
     gate: threading.Event | None = None  # wait for this before sending the body
 
 
@@ -76,6 +77,8 @@ class Origin:
     port: int = 0
     active: int = 0  # GETs being answered now
     max_active: int = 0  # the most GETs answered at once
+    # ("start" | "end", path, Range) of each GET, in the order they happened
+    events: list[tuple[str, str, str | None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -94,10 +97,13 @@ class Origin:
             return await self._answer(request)
         self.active += 1
         self.max_active = max(self.max_active, self.active)
+        what = (request.match_info["name"], request.headers.get("Range"))
+        self.events.append(("start", *what))
         try:
             return await self._answer(request)
         finally:
             self.active -= 1
+            self.events.append(("end", *what))
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"]
@@ -124,15 +130,20 @@ class Origin:
         if fault.etag:
             headers["ETag"] = etag
         rng = request.headers.get("Range")
+        if rng and fault.range_status is not None:
+            return web.Response(status=fault.range_status, text=f"no ranges here: {rng}\n")
         if rng and not fault.ignore_range:
             im = request.headers.get("If-Match")
             if im is not None and im != etag:
                 return web.Response(status=412, text="precondition failed\n")
-            m = re.match(r"bytes=(\d+)-$", rng)
+            m = re.match(r"bytes=(\d+)-(\d*)$", rng)
             assert m, rng
             start, status = int(m.group(1)), 206
-            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-        body = data[start:]
+            end = min(int(m.group(2)) + 1, len(data)) if m.group(2) else len(data)
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
+        else:
+            end = len(data)
+        body = data[start:end]
         if fault.bad_md5:
             headers["Content-MD5"] = "AAAAAAAAAAAAAAAAAAAAAA=="
         resp = web.StreamResponse(status=status, headers=headers)
