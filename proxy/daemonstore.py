@@ -21,6 +21,10 @@ __all__ = ["DAEMON_NAMES", "DaemonStore"]
 
 # the flags that set what the store's messages speak of
 DAEMON_NAMES = SettingNames(cache_dir="--cache-dir", min_free="--min-free", keep="--eviction keep")
+# above this many entries, the name pass an open owes after a crash is made once the
+# proxy is ready, in a thread (Store.reconcile_names): a restart after a crash is as
+# quick as any other
+NAMES_LATER_ABOVE = 100_000
 
 
 class DaemonStore(Store):
@@ -29,6 +33,7 @@ class DaemonStore(Store):
     names: ClassVar[SettingNames] = DAEMON_NAMES
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # Store's parameters
+        kwargs.setdefault("defer_names_above", NAMES_LATER_ABOVE)
         super().__init__(*args, **kwargs)
         self.claims = ClaimsTable(self)
         self.plan_table = PlansTable(self)
