@@ -187,7 +187,8 @@ ENTRIES = 100_100  # over the daemon's threshold (100,000): its pass waits for r
 def seed_many(cache: Path, base: str, n: int) -> list[str]:
     """``n`` two-byte entries of URLs ``base/s<i>.tar``: hard links of a few files (a
     link per name is what keeps this test to seconds), rows in one transaction."""
-    Store(cache, reconcile=False).close()
+    with Store(cache, reconcile=False) as store:
+        store.used()  # the index, as this shardcache makes it
     keys, rows, src = [], [], None
     for i in range(n):
         url = f"{base}/s{i}.tar"
