@@ -3,14 +3,18 @@ store of N entries, the index seeded directly (no N downloads).
 
     .venv/bin/python bench/index_scale.py                       # 100,000 and 1,000,000
     .venv/bin/python bench/index_scale.py --sizes 100000 --runs 3
-    .venv/bin/python bench/index_scale.py --sizes 100000,1000000,10000000 --tmp /big/disk
+    .venv/bin/python bench/index_scale.py --sizes 100000,1000000,10000000 --links --tmp /big/disk
 
 Seeding: a :class:`~shardcache.store.Store` makes the empty index, then N rows are
 inserted in one transaction (URL ``<origin>/obj/<i>``, key ``shard_uuid`` of it,
-``--size`` bytes, distinct access times) and N sparse files of that size are created
-(``ftruncate``: no data blocks), so the store on disk is consistent, as after a clean
-shutdown. ``--cache-size`` is exactly the seeded bytes: the cache is full, and every
-miss evicts an entry.
+``--size`` bytes, distinct access times; ``executemany`` of 50,000 rows, the two
+eviction-order indexes made again after the rows) while ``--procs`` forked processes
+create the N sparse files of that size (``ftruncate``: no data blocks), or with
+``--links`` hard links of one sparse file per 60,000 names (one system call and no
+inode per name: 10M entries in minutes; the store compares a file's size and, for its
+memo, its inode and times, each name with its own row, so shared inodes change nothing
+it checks). The store on disk is consistent, as after a clean shutdown. ``--cache-size``
+is exactly the seeded bytes: the cache is full, and every miss evicts an entry.
 
 For each N, ``--runs`` times: ``shardcache serve`` is spawned on the directory and timed
 to the first 200 of ``GET /-/readyz`` (restart to ready); its ``VmRSS`` is read when
@@ -18,7 +22,10 @@ ready, after ``--hits`` random hits of seeded entries (one keep-alive client, on
 at a time: p50/p99 latency) and after ``--misses`` misses of new objects from a local
 origin (each one evicting: p50/p99 latency), each phase bounded by ``--phase-time``
 seconds (the figures then cover the requests made in time); then it is stopped with SIGTERM. The origin
-counts its requests: a hit that reaches it fails the run. Figures are medians over the
+counts its requests: a hit that reaches it fails the run. Then ``--crash-runs`` times a
+proxy is killed with SIGKILL once ready and started again: restart to ready after the
+crash, the seconds from ready until the name pass it owes has ended (``/-/stats``
+``store.names_pass``), the largest RSS meanwhile. Figures are medians over the
 runs. Everything is deleted at the end. Targets (issue #24): ready <= 2 / 5 / 30 s, RSS
 <= 150 / 250 / 600 MB at 100k / 1M / 10M, hit latency and miss latency flat within 20%
 from the smallest N to the largest.
@@ -30,6 +37,7 @@ import argparse
 import contextlib
 import http.client
 import http.server
+import json
 import os
 import random
 import shutil
@@ -245,9 +253,11 @@ def timed_gets(port: int, paths: list[str], deadline: float, errors: list[str]) 
     return out
 
 
-def one_run(
-    args: argparse.Namespace, cache_dir: Path, origin: Origin, n: int, log: Path, run: int
-) -> dict[str, float]:
+def spawn(
+    args: argparse.Namespace, cache_dir: Path, origin: Origin, n: int, log: Path
+) -> tuple[subprocess.Popen, int, float]:
+    """``shardcache serve`` on ``cache_dir``: (process, port, seconds to the first 200 of
+    ``/-/readyz``)."""
     port = free_port()
     argv = [
         sys.executable, "-m", "shardcache", "serve",
@@ -260,23 +270,78 @@ def one_run(
     with open(log, "ab") as logf:
         t0 = time.monotonic()
         proc = subprocess.Popen(argv, stdout=logf, stderr=logf, start_new_session=True)
+    deadline = t0 + args.ready_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the proxy exited with {proc.returncode}; see {log}")
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            c.request("GET", "/-/readyz")
+            status = c.getresponse().status
+            c.close()
+            if status == 200:
+                return proc, port, time.monotonic() - t0
+        time.sleep(0.01)
+    stop(proc)
+    raise TimeoutError(f"not ready in {args.ready_timeout} s")
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
     try:
-        ready = None
-        deadline = t0 + args.ready_timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the proxy exited with {proc.returncode}; see {log}")
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                c.request("GET", "/-/readyz")
-                status = c.getresponse().status
-                c.close()
-                if status == 200:
-                    ready = time.monotonic() - t0
-                    break
-            time.sleep(0.01)
-        if ready is None:
-            raise TimeoutError(f"not ready in {args.ready_timeout} s")
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def names_pass(port: int) -> str | None:
+    """The proxy's deferred name pass, from ``/-/stats`` (``"absent"``: a proxy that
+    has none, its pass made before ready)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        c.request("GET", "/-/stats")
+        body = json.loads(c.getresponse().read())
+    finally:
+        c.close()
+    return body.get("store", {}).get("names_pass", "absent")
+
+
+def crash_run(
+    args: argparse.Namespace, cache_dir: Path, origin: Origin, n: int, log: Path
+) -> dict[str, float]:
+    """A proxy killed with SIGKILL once ready (its sessions row left behind: an unclean
+    end), then started again: seconds to ready, seconds from ready until the name pass
+    it owes has ended, the largest RSS seen meanwhile (sampled every 0.2 s)."""
+    proc, _, _ = spawn(args, cache_dir, origin, n, log)
+    stop(proc, signal.SIGKILL)
+    proc, port, ready = spawn(args, cache_dir, origin, n, log)
+    try:
+        t0 = time.monotonic()
+        rss_peak = rss_mb(proc.pid)
+        state = names_pass(port)
+        while state in ("pending", "running") and time.monotonic() - t0 < args.ready_timeout:
+            time.sleep(0.2)
+            rss_peak = max(rss_peak, rss_mb(proc.pid))
+            state = names_pass(port)
+        passed = time.monotonic() - t0
+        if state not in ("done", "absent"):
+            raise RuntimeError(f"name pass {state!r}; see {log}")
+    finally:
+        stop(proc)
+    return {
+        "crash_ready_s": ready,
+        "crash_pass_s": passed if state == "done" else 0.0,
+        "crash_rss_peak": rss_peak,
+    }
+
+
+def one_run(
+    args: argparse.Namespace, cache_dir: Path, origin: Origin, n: int, log: Path, run: int
+) -> dict[str, float]:
+    proc, port, ready = spawn(args, cache_dir, origin, n, log)
+    try:
         rss_ready = rss_mb(proc.pid)
         rng = random.Random(run * 7919 + n)
         before = origin.requests
@@ -303,13 +368,7 @@ def one_run(
         if proc.poll() is not None:
             print(f"  the proxy exited with {proc.returncode}; see {log}", flush=True)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        stop(proc)
     return {
         "ready_s": ready,
         "rss_ready": rss_ready,
@@ -341,6 +400,14 @@ def main() -> None:
         help="seconds at most for the hits, and "
         "for the misses (the figures then cover the requests made in that time)",
     )
+    ap.add_argument("--crash-runs", type=int, default=3, help="restarts after a SIGKILL per N")
+    ap.add_argument(
+        "--links",
+        action="store_true",
+        help="seed hard links of one sparse file per 60,000 names instead of a file each "
+        "(a link is a single system call and no inode: 10M entries in minutes)",
+    )
+    ap.add_argument("--procs", type=int, default=3, help="processes making the files")
     ap.add_argument("--keep", action="store_true", help="leave the seeded cache in place")
     args = ap.parse_args()
     sizes = [int(s.replace("_", "")) for s in args.sizes.split(",") if s]
@@ -353,15 +420,27 @@ def main() -> None:
     try:
         for n in sizes:
             cache_dir = tmp / f"cache-{n}"
-            seeded[n] = seed(cache_dir, origin.base, n, args.size)
+            seeded[n] = seed(cache_dir, origin.base, n, args.size, args.procs, args.links)
             print(f"N={n:,}: seeded in {seeded[n]:.1f} s", flush=True)
             runs = []
             for run in range(args.runs):
                 r = one_run(args, cache_dir, origin, n, log, run)
+                r["load"] = os.getloadavg()[0]
                 print(f"  run {run + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()),
                       flush=True)  # fmt: skip
                 runs.append(r)
             results[n] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            crashes = []
+            for run in range(args.crash_runs):
+                r = crash_run(args, cache_dir, origin, n, log)
+                r["load"] = os.getloadavg()[0]
+                print(f"  after a crash {run + 1}: "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in r.items()), flush=True)  # fmt: skip
+                crashes.append(r)
+            if crashes:
+                results[n].update(
+                    {k: statistics.median(r[k] for r in crashes) for k in crashes[0] if k != "load"}
+                )
             if not args.keep:
                 t0 = time.monotonic()
                 shutil.rmtree(cache_dir)
@@ -371,21 +450,30 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
     print()
-    print(f"{args.size}-byte entries, {args.runs} runs per N (medians), {args.hits} hits, "
-          f"{args.misses} evicting misses; python {sys.version.split()[0]}, "
+    print(f"{args.size}-byte entries ({'hard links' if args.links else 'a file each'}), "
+          f"{args.runs} runs per N (medians), {args.hits} hits, {args.misses} evicting misses, "
+          f"{args.crash_runs} restarts after SIGKILL; python {sys.version.split()[0]}, "
           f"{os.cpu_count()} CPUs")  # fmt: skip
     print()
     print("| entries | seed | restart to ready | RSS ready | RSS after hits | RSS after misses "
-          "| hit p50 / p99 | miss p50 / p99 (count) | errors |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| hit p50 / p99 | miss p50 / p99 (count) | errors | load |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, r in results.items():
         print(
             f"| {n:,} | {seeded[n]:.0f} s | {r['ready_s']:.2f} s | {r['rss_ready']:.0f} MB "
             f"| {r['rss_hits']:.0f} MB | {r['rss_misses']:.0f} MB "
             f"| {r['hit_p50']:.2f} / {r['hit_p99']:.2f} ms "
             f"| {r['miss_p50']:.1f} / {r['miss_p99']:.1f} ms ({r['misses']:.0f}) "
-            f"| {r['errors']:.0f} |"
+            f"| {r['errors']:.0f} | {r['load']:.1f} |"
         )
+    if args.crash_runs:
+        print()
+        print("| entries | restart to ready after a crash | name pass after ready "
+              "| RSS peak during the pass |")  # fmt: skip
+        print("|---:|---:|---:|---:|")
+        for n, r in results.items():
+            print(f"| {n:,} | {r['crash_ready_s']:.2f} s | {r['crash_pass_s']:.1f} s "
+                  f"| {r['crash_rss_peak']:.0f} MB |")  # fmt: skip
 
 
 if __name__ == "__main__":
