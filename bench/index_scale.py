@@ -3,14 +3,18 @@ store of N entries, the index seeded directly (no N downloads).
 
     .venv/bin/python bench/index_scale.py                       # 100,000 and 1,000,000
     .venv/bin/python bench/index_scale.py --sizes 100000 --runs 3
-    .venv/bin/python bench/index_scale.py --sizes 100000,1000000,10000000 --tmp /big/disk
+    .venv/bin/python bench/index_scale.py --sizes 100000,1000000,10000000 --links --tmp /big/disk
 
 Seeding: a :class:`~shardcache.store.Store` makes the empty index, then N rows are
 inserted in one transaction (URL ``<origin>/obj/<i>``, key ``shard_uuid`` of it,
-``--size`` bytes, distinct access times) and N sparse files of that size are created
-(``ftruncate``: no data blocks), so the store on disk is consistent, as after a clean
-shutdown. ``--cache-size`` is exactly the seeded bytes: the cache is full, and every
-miss evicts an entry.
+``--size`` bytes, distinct access times; ``executemany`` of 50,000 rows, the two
+eviction-order indexes made again after the rows) while ``--procs`` forked processes
+create the N sparse files of that size (``ftruncate``: no data blocks), or with
+``--links`` hard links of one sparse file per 60,000 names (one system call and no
+inode per name: 10M entries in minutes; the store compares a file's size and, for its
+memo, its inode and times, each name with its own row, so shared inodes change nothing
+it checks). The store on disk is consistent, as after a clean shutdown. ``--cache-size``
+is exactly the seeded bytes: the cache is full, and every miss evicts an entry.
 
 For each N, ``--runs`` times: ``shardcache serve`` is spawned on the directory and timed
 to the first 200 of ``GET /-/readyz`` (restart to ready); its ``VmRSS`` is read when
@@ -18,7 +22,10 @@ ready, after ``--hits`` random hits of seeded entries (one keep-alive client, on
 at a time: p50/p99 latency) and after ``--misses`` misses of new objects from a local
 origin (each one evicting: p50/p99 latency), each phase bounded by ``--phase-time``
 seconds (the figures then cover the requests made in time); then it is stopped with SIGTERM. The origin
-counts its requests: a hit that reaches it fails the run. Figures are medians over the
+counts its requests: a hit that reaches it fails the run. Then ``--crash-runs`` times a
+proxy is killed with SIGKILL once ready and started again: restart to ready after the
+crash, the seconds from ready until the name pass it owes has ended (``/-/stats``
+``store.names_pass``), the largest RSS meanwhile. Figures are medians over the
 runs. Everything is deleted at the end. Targets (issue #24): ready <= 2 / 5 / 30 s, RSS
 <= 150 / 250 / 600 MB at 100k / 1M / 10M, hit latency and miss latency flat within 20%
 from the smallest N to the largest.
@@ -30,6 +37,7 @@ import argparse
 import contextlib
 import http.client
 import http.server
+import json
 import os
 import random
 import shutil
@@ -100,51 +108,100 @@ class Origin:
         self.server.server_close()
 
 
-def seed(cache_dir: Path, origin: str, n: int, size: int) -> float:
-    """An index of ``n`` rows and their ``n`` sparse files; returns the seconds taken."""
+def _row(origin: str, i: int, n: int, size: int, now: float, order: list[int] | None) -> tuple:
+    """The index row of seeded object ``i`` (ENTRY_COLS order)."""
+    url = f"{origin}/obj/{i}"
+    created = now + i * 1e-3
+    # access order unrelated to the names (a shuffle when it fits in memory, else a
+    # fixed permutation of the indexes: multiplication by a prime not dividing n)
+    access = order[i] if order is not None else (i * PERMUTE) % n
+    return (shard_uuid(url), url, size, None, None, "application/x-tar", created,
+            now + access * 1e-3, 0, created, None, None)  # fmt: skip
+
+
+def _make_files(base: str, origin: str, lo: int, hi: int, size: int, links: bool) -> None:
+    """The files of objects ``lo`` to ``hi - 1``: sparse files of ``size`` bytes, each
+    its own inode, or with ``links`` hard links of one sparse file per LINKS_PER_INODE
+    names (a link is one system call and no inode)."""
+    src = None
+    for i in range(lo, hi):
+        path = os.path.join(base, shard_uuid(f"{origin}/obj/{i}"))
+        if links:
+            if src is None or i % LINKS_PER_INODE == 0:
+                src = path
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                os.ftruncate(fd, size)
+                os.close(fd)
+            else:
+                os.link(src, path)
+            continue
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.ftruncate(fd, size)
+        os.close(fd)
+
+
+LINKS_PER_INODE = 60_000  # ext4 allows 65,000 links to an inode
+ORDER_IN_MEMORY = 2_000_000  # up to this many entries, access times are a shuffle
+PERMUTE = 1_000_003  # a prime: i -> i * PERMUTE mod n permutes 0..n-1 unless it divides n
+
+
+def seed(
+    cache_dir: Path, origin: str, n: int, size: int, procs: int = 3, links: bool = False
+) -> float:
+    """An index of ``n`` rows and their ``n`` sparse files; returns the seconds taken.
+
+    The files are made by ``procs`` processes while this one writes the rows: one
+    transaction, ``executemany`` of 50,000 rows at a time, the two eviction-order indexes
+    dropped meanwhile and made again at the end (a sort instead of ``n`` random inserts).
+    """
     t0 = time.monotonic()
     with Store(cache_dir, reconcile=False) as store:
         store.used()  # the schema, as this shardcache makes it
-    conn = sqlite3.connect(cache_dir / INDEX_NAME, isolation_level=None)
-    now = time.time() - 86400
-    order = list(range(n))
-    random.Random(n).shuffle(order)  # access order unrelated to the names
     base = str(cache_dir)
+    step = -(-n // max(1, procs))
+    makers = []
+    for lo in range(0, n, step):
+        pid = os.fork()
+        if pid == 0:  # a child: its share of the files, then out
+            code = 0
+            try:
+                _make_files(base, origin, lo, min(n, lo + step), size, links)
+            except BaseException:  # noqa: BLE001 - reported through the exit status
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            os._exit(code)
+        makers.append(pid)
+    conn = sqlite3.connect(cache_dir / INDEX_NAME, isolation_level=None)
+    conn.execute("PRAGMA cache_size = -262144")  # 256 MiB: the key index stays in memory
+    indexes = conn.execute(
+        "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'entries' "
+        "AND sql IS NOT NULL"
+    ).fetchall()
+    now = time.time() - 86400
+    order = None
+    if n <= ORDER_IN_MEMORY:
+        order = list(range(n))
+        random.Random(n).shuffle(order)
     conn.execute("BEGIN IMMEDIATE")
+    for name, _ in indexes:
+        conn.execute(f"DROP INDEX {name}")
     chunk = 50_000
     for start in range(0, n, chunk):
-        rows = []
-        for i in range(start, min(n, start + chunk)):
-            url = f"{origin}/obj/{i}"
-            key = shard_uuid(url)
-            created = now + i * 1e-3
-            rows.append(
-                (
-                    key,
-                    url,
-                    size,
-                    None,
-                    None,
-                    "application/x-tar",
-                    created,
-                    now + order[i] * 1e-3,
-                    0,
-                    created,
-                    None,
-                    None,
-                )
-            )
-            fd = os.open(os.path.join(base, key), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            os.ftruncate(fd, size)
-            os.close(fd)
         conn.executemany(
             "INSERT INTO entries (key, url, size, etag, last_modified, content_type, created, "
             "last_access, hits, validated, fields, digests) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-            rows,
+            [_row(origin, i, n, size, now, order) for i in range(start, min(n, start + chunk))],
         )
+    for _, sql in indexes:
+        conn.execute(sql)
     conn.execute("COMMIT")
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     conn.close()
+    failed = sum(os.waitpid(pid, 0)[1] != 0 for pid in makers)
+    if failed:
+        raise RuntimeError(f"{failed} of the processes making the files failed")
     return time.monotonic() - t0
 
 
@@ -196,9 +253,11 @@ def timed_gets(port: int, paths: list[str], deadline: float, errors: list[str]) 
     return out
 
 
-def one_run(
-    args: argparse.Namespace, cache_dir: Path, origin: Origin, n: int, log: Path, run: int
-) -> dict[str, float]:
+def spawn(
+    args: argparse.Namespace, cache_dir: Path, origin: Origin, n: int, log: Path
+) -> tuple[subprocess.Popen, int, float]:
+    """``shardcache serve`` on ``cache_dir``: (process, port, seconds to the first 200 of
+    ``/-/readyz``)."""
     port = free_port()
     argv = [
         sys.executable, "-m", "shardcache", "serve",
@@ -211,23 +270,78 @@ def one_run(
     with open(log, "ab") as logf:
         t0 = time.monotonic()
         proc = subprocess.Popen(argv, stdout=logf, stderr=logf, start_new_session=True)
+    deadline = t0 + args.ready_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the proxy exited with {proc.returncode}; see {log}")
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            c.request("GET", "/-/readyz")
+            status = c.getresponse().status
+            c.close()
+            if status == 200:
+                return proc, port, time.monotonic() - t0
+        time.sleep(0.01)
+    stop(proc)
+    raise TimeoutError(f"not ready in {args.ready_timeout} s")
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
     try:
-        ready = None
-        deadline = t0 + args.ready_timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the proxy exited with {proc.returncode}; see {log}")
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                c.request("GET", "/-/readyz")
-                status = c.getresponse().status
-                c.close()
-                if status == 200:
-                    ready = time.monotonic() - t0
-                    break
-            time.sleep(0.01)
-        if ready is None:
-            raise TimeoutError(f"not ready in {args.ready_timeout} s")
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def names_pass(port: int) -> str | None:
+    """The proxy's deferred name pass, from ``/-/stats`` (``"absent"``: a proxy that
+    has none, its pass made before ready)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        c.request("GET", "/-/stats")
+        body = json.loads(c.getresponse().read())
+    finally:
+        c.close()
+    return body.get("store", {}).get("names_pass", "absent")
+
+
+def crash_run(
+    args: argparse.Namespace, cache_dir: Path, origin: Origin, n: int, log: Path
+) -> dict[str, float]:
+    """A proxy killed with SIGKILL once ready (its sessions row left behind: an unclean
+    end), then started again: seconds to ready, seconds from ready until the name pass
+    it owes has ended, the largest RSS seen meanwhile (sampled every 0.2 s)."""
+    proc, _, _ = spawn(args, cache_dir, origin, n, log)
+    stop(proc, signal.SIGKILL)
+    proc, port, ready = spawn(args, cache_dir, origin, n, log)
+    try:
+        t0 = time.monotonic()
+        rss_peak = rss_mb(proc.pid)
+        state = names_pass(port)
+        while state in ("pending", "running") and time.monotonic() - t0 < args.ready_timeout:
+            time.sleep(0.2)
+            rss_peak = max(rss_peak, rss_mb(proc.pid))
+            state = names_pass(port)
+        passed = time.monotonic() - t0
+        if state not in ("done", "absent", None):  # None, "absent": made before ready
+            raise RuntimeError(f"name pass {state!r}; see {log}")
+    finally:
+        stop(proc)
+    return {
+        "crash_ready_s": ready,
+        "crash_pass_s": passed if state == "done" else 0.0,
+        "crash_rss_peak": rss_peak,
+    }
+
+
+def one_run(
+    args: argparse.Namespace, cache_dir: Path, origin: Origin, n: int, log: Path, run: int
+) -> dict[str, float]:
+    proc, port, ready = spawn(args, cache_dir, origin, n, log)
+    try:
         rss_ready = rss_mb(proc.pid)
         rng = random.Random(run * 7919 + n)
         before = origin.requests
@@ -254,13 +368,7 @@ def one_run(
         if proc.poll() is not None:
             print(f"  the proxy exited with {proc.returncode}; see {log}", flush=True)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        stop(proc)
     return {
         "ready_s": ready,
         "rss_ready": rss_ready,
@@ -292,6 +400,14 @@ def main() -> None:
         help="seconds at most for the hits, and "
         "for the misses (the figures then cover the requests made in that time)",
     )
+    ap.add_argument("--crash-runs", type=int, default=3, help="restarts after a SIGKILL per N")
+    ap.add_argument(
+        "--links",
+        action="store_true",
+        help="seed hard links of one sparse file per 60,000 names instead of a file each "
+        "(a link is a single system call and no inode: 10M entries in minutes)",
+    )
+    ap.add_argument("--procs", type=int, default=3, help="processes making the files")
     ap.add_argument("--keep", action="store_true", help="leave the seeded cache in place")
     args = ap.parse_args()
     sizes = [int(s.replace("_", "")) for s in args.sizes.split(",") if s]
@@ -304,15 +420,27 @@ def main() -> None:
     try:
         for n in sizes:
             cache_dir = tmp / f"cache-{n}"
-            seeded[n] = seed(cache_dir, origin.base, n, args.size)
+            seeded[n] = seed(cache_dir, origin.base, n, args.size, args.procs, args.links)
             print(f"N={n:,}: seeded in {seeded[n]:.1f} s", flush=True)
             runs = []
             for run in range(args.runs):
                 r = one_run(args, cache_dir, origin, n, log, run)
+                r["load"] = os.getloadavg()[0]
                 print(f"  run {run + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()),
                       flush=True)  # fmt: skip
                 runs.append(r)
             results[n] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            crashes = []
+            for run in range(args.crash_runs):
+                r = crash_run(args, cache_dir, origin, n, log)
+                r["load"] = os.getloadavg()[0]
+                print(f"  after a crash {run + 1}: "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in r.items()), flush=True)  # fmt: skip
+                crashes.append(r)
+            if crashes:
+                results[n].update(
+                    {k: statistics.median(r[k] for r in crashes) for k in crashes[0] if k != "load"}
+                )
             if not args.keep:
                 t0 = time.monotonic()
                 shutil.rmtree(cache_dir)
@@ -322,21 +450,30 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
     print()
-    print(f"{args.size}-byte entries, {args.runs} runs per N (medians), {args.hits} hits, "
-          f"{args.misses} evicting misses; python {sys.version.split()[0]}, "
+    print(f"{args.size}-byte entries ({'hard links' if args.links else 'a file each'}), "
+          f"{args.runs} runs per N (medians), {args.hits} hits, {args.misses} evicting misses, "
+          f"{args.crash_runs} restarts after SIGKILL; python {sys.version.split()[0]}, "
           f"{os.cpu_count()} CPUs")  # fmt: skip
     print()
     print("| entries | seed | restart to ready | RSS ready | RSS after hits | RSS after misses "
-          "| hit p50 / p99 | miss p50 / p99 (count) | errors |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| hit p50 / p99 | miss p50 / p99 (count) | errors | load |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, r in results.items():
         print(
             f"| {n:,} | {seeded[n]:.0f} s | {r['ready_s']:.2f} s | {r['rss_ready']:.0f} MB "
             f"| {r['rss_hits']:.0f} MB | {r['rss_misses']:.0f} MB "
             f"| {r['hit_p50']:.2f} / {r['hit_p99']:.2f} ms "
             f"| {r['miss_p50']:.1f} / {r['miss_p99']:.1f} ms ({r['misses']:.0f}) "
-            f"| {r['errors']:.0f} |"
+            f"| {r['errors']:.0f} | {r['load']:.1f} |"
         )
+    if args.crash_runs:
+        print()
+        print("| entries | restart to ready after a crash | name pass after ready "
+              "| RSS peak during the pass |")  # fmt: skip
+        print("|---:|---:|---:|---:|")
+        for n, r in results.items():
+            print(f"| {n:,} | {r['crash_ready_s']:.2f} s | {r['crash_pass_s']:.1f} s "
+                  f"| {r['crash_rss_peak']:.0f} MB |")  # fmt: skip
 
 
 if __name__ == "__main__":

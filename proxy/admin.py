@@ -113,6 +113,8 @@ async def _stats(request: web.Request) -> web.Response:
             "filesystem_bytes": st["filesystem_bytes"],
             "effective_limit": st["effective_limit"],
             "pending_access_records": request.app[STORE].pending_access(),
+            # the name pass a crash left owed, made while serving (None: none was owed)
+            "names_pass": request.app[STORE].names_pass,
         },
         "ram_tier": {"entries": len(request.app[HITS]), "bytes": request.app[HITS].bytes},
     }

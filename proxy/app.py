@@ -86,6 +86,7 @@ from proxy.upstream_health import (
     probe_upstreams,
 )
 from shardcache.errors import (
+    CacheError,
     StoreUnusable,
     StoreWriteError,
 )
@@ -290,6 +291,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         name="upstream probe",
     )
     app[RUNTIME].scheduling = scheduling
+    names = loop.create_task(_reconcile_names(store), name="name pass")
     app[RUNTIME].ready = True
     log.info(
         "cache %s: limit %s, %s kept free, policy %s, revalidate %s; upstreams: %s",
@@ -308,7 +310,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         tasks = [background, scheduling, probe]
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        store.stop_names()  # its thread ends at its next chunk; owed to the next open
+        await asyncio.gather(*tasks, names, return_exceptions=True)
         store.planner = None
         await _stop_downloads(app)
         await fetcher.close()
@@ -316,6 +319,16 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         if peers is not None:
             await peers.close()
         await asyncio.to_thread(store.close)
+
+
+async def _reconcile_names(store: DaemonStore) -> None:
+    """The name pass the store's open left for later, if any, in a thread while serving."""
+    if not store.names_owed:
+        return
+    try:
+        await asyncio.to_thread(store.reconcile_names)
+    except CacheError as exc:
+        log.error("cache %s: the names could not be compared: %s", store.cache_dir, exc)
 
 
 async def _stop_downloads(app: web.Application) -> None:

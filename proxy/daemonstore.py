@@ -21,6 +21,11 @@ __all__ = ["DAEMON_NAMES", "DaemonStore"]
 
 # the flags that set what the store's messages speak of
 DAEMON_NAMES = SettingNames(cache_dir="--cache-dir", min_free="--min-free", keep="--eviction keep")
+# above this many entries, the name pass an open owes (after a crash, or at every open up
+# to 100,000 entries) is made once the proxy is ready, in a thread
+# (Store.reconcile_names): no restart waits for it; up to this many it takes a fraction
+# of a second and is made before ready, as always
+NAMES_LATER_ABOVE = 10_000
 
 
 class DaemonStore(Store):
@@ -29,6 +34,7 @@ class DaemonStore(Store):
     names: ClassVar[SettingNames] = DAEMON_NAMES
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # Store's parameters
+        kwargs.setdefault("defer_names_above", NAMES_LATER_ABOVE)
         super().__init__(*args, **kwargs)
         self.claims = ClaimsTable(self)
         self.plan_table = PlansTable(self)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import NamedTuple
 from shardcache.errors import CacheError
 from shardcache.store.downloads import Downloads
 from shardcache.store.entry import Entry
+from shardcache.store.index import BUSY_TIMEOUT_MS, INDEX_NAME
 from shardcache.store.names import (
     HOST,
     PathStr,
@@ -36,6 +38,7 @@ NAMES_PER_QUERY = 5000  # directory names looked up in the index at a time, when
 # only after an unclean end (a process that opened the store died without closing it, or
 # left a reservation behind)
 SCAN_ALWAYS = 100_000
+FIXES_PER_TRANSACTION = 1000  # repairs of the deferred pass per write transaction
 
 log = logging.getLogger("shardcache.store")
 
@@ -64,8 +67,19 @@ class Indexed(NamedTuple):
     size: int
 
 
+class _Stopped(Exception):
+    """The deferred name pass was asked to stop (the store is closing)."""
+
+
 class Reconcile(Downloads):
     """The index and the directory made to agree (a part of :class:`Store`)."""
+
+    # the name pass of an open is left to reconcile_names() above this many entries
+    defer_names_above: int | None
+    # the deferred pass: None (none owed), "pending", "running", "done", "stopped",
+    # "failed: <why>"
+    names_pass: str | None
+    _names_stop: threading.Event
 
     def check(self, fix: bool = False, *, verify: bool = False) -> CheckReport:
         """Reconcile the index with the directory; report (and with ``fix``, repair).
@@ -275,7 +289,9 @@ class Reconcile(Downloads):
         for rowid, pid, host, started in conn.execute(
             "SELECT rowid, pid, host, started FROM sessions"
         ).fetchall():
-            if pid == 0 or owner_gone(pid, host, started, now):
+            # a negative pid: a name pass owed and under way in that process (its own
+            # row is there too); owed by nobody once that process is gone
+            if pid == 0 or owner_gone(abs(pid), host, started, now):
                 unclean = True
                 conn.execute("DELETE FROM sessions WHERE rowid = ?", (rowid,))
         conn.execute(
@@ -285,7 +301,9 @@ class Reconcile(Downloads):
         return unclean
 
     def _end_session(self) -> None:
-        """This process no longer has the store open (a clean end): its sessions row goes."""
+        """This process no longer has the store open (a clean end): its sessions row goes.
+        A deferred name pass it has not finished stays owed (a row of pid 0): the next
+        open compares the names."""
         if getattr(self, "_session_pid", None) != os.getpid():
             return
         with self._tx() as conn:
@@ -293,6 +311,9 @@ class Reconcile(Downloads):
                 "DELETE FROM sessions WHERE rowid = (SELECT rowid FROM sessions "
                 "WHERE pid = ? AND host = ? LIMIT 1)",
                 (os.getpid(), HOST),
+            )
+            conn.execute(
+                "UPDATE sessions SET pid = 0 WHERE pid = ? AND host = ?", (-os.getpid(), HOST)
             )
         self._session_pid = None
 
@@ -327,7 +348,22 @@ class Reconcile(Downloads):
                 or conn.execute("SELECT entries FROM totals WHERE id = 0").fetchone()[0]
                 <= SCAN_ALWAYS
             ):
-                self._scan_names(conn, report, fix, live_parts, to_unlink)
+                later = getattr(self, "defer_names_above", None)
+                if (
+                    opening
+                    and later is not None
+                    and conn.execute("SELECT entries FROM totals WHERE id = 0").fetchone()[0]
+                    > later
+                ):
+                    # owed until reconcile_names() ends, whoever closes or dies before
+                    conn.execute(
+                        "INSERT INTO sessions (pid, host, started) VALUES (?, ?, ?)",
+                        (-os.getpid(), HOST, now),
+                    )
+                    self.names_pass = "pending"
+                    log.info("%s: names to be compared once the store is open", self.cache_dir)
+                else:
+                    self._scan_names(conn, report, fix, live_parts, to_unlink)
             else:
                 log.debug("%s: clean end, names not compared", self.cache_dir)
             # The size bound (e.g. after cache_size was lowered between runs).
@@ -352,3 +388,156 @@ class Reconcile(Downloads):
         for line in report.fixed:
             log.info("cache %s: %s", self.cache_dir, line)
         return report
+
+    @property
+    def names_owed(self) -> bool:
+        """Whether this open left its name pass to :meth:`reconcile_names`."""
+        return getattr(self, "names_pass", None) == "pending"
+
+    def stop_names(self) -> None:
+        """Ask a :meth:`reconcile_names` under way to stop soon (it stays owed)."""
+        self._names_stop.set()
+
+    def reconcile_names(self) -> CheckReport:
+        """The name pass an open left for later (``defer_names_above``), made while the
+        store serves: what the open-time pass guarantees, once it returns — entry files
+        without a row removed, rows without a file dropped, ``.part`` files without a
+        reservation and ``.del`` files removed.
+
+        Meanwhile trust does not rest on it (a row whose file is gone is a miss, a file
+        without a row is never served, a new download never writes to a leftover's name):
+        until it ends, leftovers cost only disk space. The directory is compared with one
+        snapshot of the index, outside the write lock; each repair is then checked again
+        and made under it, so a download committed or begun meanwhile is left alone.
+        Stopped by :meth:`stop_names` (then still owed: the next open compares again).
+        """
+        report = CheckReport(ok=True)
+        if not self.names_owed:
+            return report
+        self.names_pass = "running"
+        t0 = time.monotonic()
+        try:
+            self._names_live(report)
+        except _Stopped:
+            self.names_pass = "stopped"
+            return report
+        except CacheError as exc:
+            self.names_pass = f"failed: {exc}"
+            raise
+        with self._tx() as conn:
+            conn.execute("DELETE FROM sessions WHERE pid = ? AND host = ?", (-os.getpid(), HOST))
+        self.names_pass = "done"
+        report.ok = not report.problems
+        log.info(
+            "cache %s: names compared in %.1f s: %d orphan files removed, %d rows without a "
+            "file dropped, %d stale partial downloads removed",
+            self.cache_dir,
+            time.monotonic() - t0,
+            report.orphans,
+            report.missing,
+            report.stale_partials,
+        )
+        return report
+
+    def _names_live(self, report: CheckReport) -> None:
+        stop = self._names_stop
+        base = str(self.cache_dir)
+        orphans: list[str] = []  # names without a row in the snapshot
+        others: list[str] = []  # .part and .del names
+        gone: list[str] = []  # rows of the snapshot whose file was not there
+        try:
+            conn = sqlite3.connect(
+                f"file:{self.cache_dir / INDEX_NAME}?mode=ro",
+                uri=True,
+                isolation_level=None,
+                timeout=BUSY_TIMEOUT_MS / 1000,
+                check_same_thread=False,
+            )
+        except sqlite3.Error as exc:
+            raise self._index_error(exc, "cannot open index") from exc
+        try:
+            conn.execute("PRAGMA cache_size = -65536")  # 64 MiB at most, for this pass
+            conn.execute("BEGIN")  # one snapshot of the index for the whole comparison
+            rows = conn.execute("SELECT entries FROM totals WHERE id = 0").fetchone()[0]
+            found = 0
+            chunk: list[str] = []
+
+            def settle() -> None:
+                nonlocal found
+                if stop.is_set():
+                    raise _Stopped
+                marks = ",".join("?" * len(chunk))
+                have = {
+                    r[0]
+                    for r in conn.execute(f"SELECT key FROM entries WHERE key IN ({marks})", chunk)
+                }
+                found += len(have)
+                orphans.extend(name for name in chunk if name not in have)
+                chunk.clear()
+
+            for name in self._listing():
+                if len(name) == 36 and "." not in name:
+                    chunk.append(name)
+                    if len(chunk) >= NAMES_PER_QUERY:
+                        settle()
+                elif parse_part(name) is not None or is_del(name):
+                    others.append(name)
+            if chunk:
+                settle()
+            # a row of the snapshot not listed: its file was missing, or the store
+            # removed or replaced it since (checked again below)
+            if found < rows:
+                cur = conn.execute("SELECT key FROM entries")
+                try:
+                    for i, (key,) in enumerate(cur):
+                        if i % NAMES_PER_QUERY == 0 and stop.is_set():
+                            raise _Stopped
+                        if not os.path.lexists(os.path.join(base, key)):
+                            gone.append(key)
+                            if found + len(gone) >= rows:
+                                break
+                finally:
+                    cur.close()
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            raise self._index_error(exc, "cannot read index") from exc
+        finally:
+            conn.close()
+        todo = [(0, n) for n in orphans if is_uuid(n)] + [(1, n) for n in others]
+        todo += [(2, k) for k in gone]
+        for start in range(0, len(todo), FIXES_PER_TRANSACTION):
+            if stop.is_set():
+                raise _Stopped
+            to_unlink: list[Path] = []
+            fixed = len(report.fixed)
+            with self._tx() as wconn:
+                for kind, name in todo[start : start + FIXES_PER_TRANSACTION]:
+                    self._fix_live(wconn, kind, name, report, to_unlink)
+            for path in to_unlink:
+                self._unlink(path)
+            for line in report.fixed[fixed:]:
+                log.info("cache %s: %s", self.cache_dir, line)
+
+    def _fix_live(
+        self,
+        conn: sqlite3.Connection,
+        kind: int,
+        name: str,
+        report: CheckReport,
+        to_unlink: list[Path],
+    ) -> None:
+        """One repair of the deferred pass, its cause checked again under the write lock
+        (``kind``: 0 a name without a row, 1 a ``.part`` or ``.del`` file, 2 a row
+        without a file)."""
+        if kind == 0:
+            if conn.execute("SELECT 1 FROM entries WHERE key = ?", (name,)).fetchone() is None:
+                self._orphan(name, report, True, to_unlink)  # committed since: has a row
+        elif kind == 1:
+            live = conn.execute("SELECT 1 FROM reservations WHERE name = ?", (name,)).fetchone()
+            if live is None:  # begun since the open: reserved before its file was made
+                self._leftover(name, report, True, set(), to_unlink)
+        else:
+            row = conn.execute("SELECT url FROM entries WHERE key = ?", (name,)).fetchone()
+            if row is not None and not os.path.lexists(os.path.join(str(self.cache_dir), name)):
+                self._missing(report, True, conn, name, row[0])
+                self._mem.pop(name, None)
