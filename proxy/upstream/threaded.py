@@ -197,7 +197,8 @@ class _ThreadedResponse:
     def _splice_rest(self, fd: int, report: Callable[[int], None]) -> None:
         """Move the rest of a Content-Length body from the socket to ``fd`` with splice,
         through a pipe of PIPE_BYTES emptied into ``fd`` whenever it fills, reported in
-        batches of up to SPLICE_BATCH_BYTES (or what arrived within BATCH_SECONDS). Raises
+        batches of one pipeful growing to SPLICE_BATCH_BYTES (or what arrived within
+        BATCH_SECONDS). Raises
         TimeoutError after read_timeout without a byte, ConnectionError on an early end,
         _SinkError when writing to ``fd`` fails."""
         sock = self.conn.sock
@@ -219,16 +220,20 @@ class _ThreadedResponse:
             with contextlib.suppress(OSError):
                 fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
             flags = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
+            # the first batches are one pipeful, then twice as large up to the limit: the
+            # readers who joined at the start (each a sendfile call on a shared pool)
+            # get their first bytes as soon as before
+            limit = PIPE_BYTES
             while self.remaining:
                 n = 0  # bytes of this batch, in the pipe or in the file
                 piped = 0  # of which still in the pipe
                 t0 = 0.0
                 failure: BaseException | None = None
-                while self.remaining and n < SPLICE_BATCH_BYTES:
+                while self.remaining and n < limit:
                     if piped >= PIPE_BYTES:
                         drain(piped)
                         piped = 0
-                    want = min(PIPE_BYTES - piped, SPLICE_BATCH_BYTES - n, self.remaining)
+                    want = min(PIPE_BYTES - piped, limit - n, self.remaining)
                     try:
                         k = os.splice(sfd, w, want, flags=flags)
                     except BlockingIOError:
@@ -267,6 +272,7 @@ class _ThreadedResponse:
                 drain(piped)
                 if n:
                     report(n)
+                    limit = min(SPLICE_BATCH_BYTES, 2 * limit)
                 if failure is not None:
                     raise failure
         finally:
