@@ -83,6 +83,38 @@ async def test_pump_writes_in_a_thread_in_large_batches(
     assert fetcher.outcomes == ["ok"]
 
 
+async def test_spliced_batches_span_several_pipefuls(
+    origin, fetcher, tmp_path, receive_path, monkeypatch
+):
+    """A spliced body is reported in batches of up to SPLICE_BATCH_BYTES, each moved
+    through the pipe in several pipefuls: the readers wake once per batch, not once per
+    pipeful."""
+    if receive_path != "splice":
+        pytest.skip("splice only")
+    monkeypatch.setattr(fetch, "PIPE_BYTES", 64 * KB)
+    monkeypatch.setattr(fetch, "SPLICE_BATCH_BYTES", 1 << 20)
+    monkeypatch.setattr(fetch, "BATCH_SECONDS", 1.0)  # batches end by size, not time
+    reported: list[int] = []
+    real = fetch._ThreadedResponse._splice_rest
+
+    def spy(self, fd, report):
+        def counted(n: int) -> None:
+            reported.append(n)
+            report(n)
+
+        return real(self, fd, counted)
+
+    monkeypatch.setattr(fetch._ThreadedResponse, "_splice_rest", spy)
+    data = blob(6 << 20, 9)
+    origin.files["p.tar"] = data
+    body = await fetcher.open(f"{origin.url}/p.tar")
+    got, batches = await pump_to_file(body, tmp_path / "p")
+    assert got == data
+    assert sum(batches) == len(data)
+    assert reported and max(reported) <= 1 << 20
+    assert max(reported) > 64 * KB  # several pipefuls in one batch
+
+
 async def test_chunks_and_md5_match(origin, fetcher):
     data = blob(700 * KB, 1)
     origin.files["c.tar"] = data

@@ -353,10 +353,11 @@ class Inflight:
     async def _receive(self, dl: Download, body: UpstreamBody, partial: Partial, wfd: int) -> None:
         """Write the whole body to the partial file, then check its length and every
         digest the upstream declared (:mod:`shardcache.digests`); the digests computed
-        become the entry's. Batches of up to 1 MiB are written off the loop (by the
-        thread that received them when the backend has one): the readers wake once per
-        batch. The digests are computed as the bytes are written (in parts: as the
-        contiguous prefix grows), never by a second read of the finished file."""
+        become the entry's. Batches (up to 1 MiB; up to 4 MiB spliced by the threaded
+        transport) are written off the loop (by the thread that received them when the
+        backend has one): the readers wake once per batch. The digests are computed as
+        the bytes are written (in parts: as the contiguous prefix grows), never by a
+        second read of the finished file."""
         meta = body.meta
         digester = dl.digester = Digester(meta.digests, prefix_md5=body.prefix_md5)
         flushed = 0

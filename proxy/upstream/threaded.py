@@ -36,6 +36,12 @@ __all__ = ["ThreadTransport", "threadable"]
 
 BATCH_BYTES = 1 << 20  # a worker thread hands over upstream bytes in batches of this size
 BATCH_SECONDS = 0.05  # ... or whatever arrived within this long, so slow upstreams still flow
+# spliced bodies: the pipe between socket and file, and the batches reported (each batch
+# wakes the download's readers, who send it on: fewer, larger batches cost the event loop
+# and the readers' sendfile calls less per byte; measured in BENCHMARKS.md, "Cold path:
+# CPU per GiB")
+PIPE_BYTES = 1 << 20
+SPLICE_BATCH_BYTES = 4 << 20
 
 # Linux: move plain-http bodies socket -> pipe -> file without copying them through Python
 SPLICE = hasattr(os, "splice") and hasattr(fcntl, "F_SETPIPE_SZ")
@@ -190,7 +196,9 @@ class _ThreadedResponse:
 
     def _splice_rest(self, fd: int, report: Callable[[int], None]) -> None:
         """Move the rest of a Content-Length body from the socket to ``fd`` with splice,
-        in batches of up to BATCH_BYTES (or what arrived within BATCH_SECONDS). Raises
+        through a pipe of PIPE_BYTES emptied into ``fd`` whenever it fills, reported in
+        batches of one pipeful growing to SPLICE_BATCH_BYTES (or what arrived within
+        BATCH_SECONDS). Raises
         TimeoutError after read_timeout without a byte, ConnectionError on an early end,
         _SinkError when writing to ``fd`` fails."""
         sock = self.conn.sock
@@ -200,29 +208,49 @@ class _ThreadedResponse:
         poller = select.poll()
         poller.register(sfd, select.POLLIN)
         r, w = os.pipe()
+
+        def drain(k: int) -> None:  # the pipe's k bytes into the file
+            try:
+                while k:
+                    k -= os.splice(r, fd, k)
+            except OSError as exc:
+                raise _SinkError(exc) from exc
+
         try:
             with contextlib.suppress(OSError):
-                fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, BATCH_BYTES)
+                fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
             flags = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
+            # the first batches are one pipeful, then twice as large up to the limit: the
+            # readers who joined at the start (each a sendfile call on a shared pool)
+            # get their first bytes as soon as before
+            limit = PIPE_BYTES
             while self.remaining:
-                n = 0
+                n = 0  # bytes of this batch, in the pipe or in the file
+                piped = 0  # of which still in the pipe
                 t0 = 0.0
                 failure: BaseException | None = None
-                while self.remaining and n < BATCH_BYTES:
+                while self.remaining and n < limit:
+                    if piped >= PIPE_BYTES:
+                        drain(piped)
+                        piped = 0
+                    want = min(PIPE_BYTES - piped, limit - n, self.remaining)
                     try:
-                        k = os.splice(sfd, w, min(BATCH_BYTES - n, self.remaining), flags=flags)
+                        k = os.splice(sfd, w, want, flags=flags)
                     except BlockingIOError:
                         if n:
                             left = BATCH_SECONDS - (time.monotonic() - t0)
-                            # the pipe may be full, or the socket empty: flush if either
+                            # the pipe may be full, or the socket empty: flush if the
+                            # socket stays empty, empty the pipe if it is full
                             if left <= 0 or not poller.poll(int(left * 1000)):
                                 break
                             try:
-                                k = os.splice(
-                                    sfd, w, min(BATCH_BYTES - n, self.remaining), flags=flags
-                                )
+                                k = os.splice(sfd, w, want, flags=flags)
                             except BlockingIOError:
-                                break  # readable but the pipe is full
+                                if not piped:
+                                    break
+                                drain(piped)  # readable but the pipe is full
+                                piped = 0
+                                continue
                         else:
                             if not poller.poll(idle_ms):
                                 failure = TimeoutError("timed out")
@@ -239,15 +267,12 @@ class _ThreadedResponse:
                     if not n:
                         t0 = time.monotonic()
                     n += k
+                    piped += k
                     self.remaining -= k
-                left_in_pipe = n
-                try:
-                    while left_in_pipe:
-                        left_in_pipe -= os.splice(r, fd, left_in_pipe)
-                except OSError as exc:
-                    raise _SinkError(exc) from exc
+                drain(piped)
                 if n:
                     report(n)
+                    limit = min(SPLICE_BATCH_BYTES, 2 * limit)
                 if failure is not None:
                     raise failure
         finally:
