@@ -59,6 +59,7 @@ from proxy.policy.sizes import (
 from proxy.policy.urls import (
     DEFAULT_REDIRECT_HOSTS,
     SIGNATURE_FAMILIES,
+    STORE_BASE,
     Upstream,
     map_request,
     map_url,
@@ -74,6 +75,7 @@ __all__ = [
     "NOT_FORWARDED",
     "REVALIDATE_HTTP",
     "SIGNATURE_FAMILIES",
+    "STORE_BASE",
     "ByteRange",
     "Upstream",
     "cache_control_forbids",
