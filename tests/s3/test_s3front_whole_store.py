@@ -158,3 +158,33 @@ def test_a_proxy_path_that_is_no_bucket_is_the_proxys_own(proxy):
     with pytest.raises(urllib.error.HTTPError) as ei:
         urllib.request.urlopen(f"{proxy.url}/{OTHER}/missing.tar", timeout=10)
     assert ei.value.code == 404
+
+
+def test_listing_fields_are_encoded_as_the_store_encodes_them(front, boto):
+    """boto3 asks for ``encoding-type=url``; V1 answers the Prefix as given (botocore
+    decodes only Delimiter, Marker, NextMarker, keys and common prefixes there)."""
+    for prefix in ("\n", "a/%", "a b"):
+        for call in ("list_objects", "list_objects_v2"):
+            mine = getattr(front, call)(Bucket=OTHER, Prefix=prefix, Delimiter="/")
+            theirs = getattr(boto, call)(Bucket=OTHER, Prefix=prefix, Delimiter="/")
+            assert mine["Prefix"] == theirs["Prefix"] == prefix, (call, prefix)
+            assert _listing(mine) == _listing(theirs), (call, prefix)
+
+
+def test_an_unordered_listing_with_a_delimiter_is_refused_as_by_the_store(front, boto):
+    def unordered(params, **kw):
+        params["url"] += "&allow-unordered=true"
+
+    for client in (front, boto):
+        client.meta.events.register("before-call.s3.ListObjects", unordered)
+        client.meta.events.register("before-call.s3.ListObjectsV2", unordered)
+    try:
+        for call in ("list_objects", "list_objects_v2"):
+            theirs = error_of(getattr(boto, call), Bucket=OTHER, Delimiter="/")
+            assert error_of(getattr(front, call), Bucket=OTHER, Delimiter="/") == theirs
+            assert theirs == (400, "InvalidArgument")
+            assert getattr(front, call)(Bucket=OTHER)["Contents"]
+    finally:
+        for client in (front, boto):
+            client.meta.events.unregister("before-call.s3.ListObjects", unordered)
+            client.meta.events.unregister("before-call.s3.ListObjectsV2", unordered)
