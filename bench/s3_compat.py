@@ -476,7 +476,7 @@ def compare(
 ) -> tuple[list[str], list[str], list[str]]:
     """(read tests the store passes, those passing through the front, differences: read
     tests the store passes and the front fails)."""
-    reads = sorted(t for t in store if store[t]["reads"] or front.get(t, {}).get("reads"))
+    reads = sorted(t for t in store if t in front and (store[t]["reads"] or front[t]["reads"]))
     base = [t for t in reads if store[t]["verdict"] == "pass"]
     ok = [t for t in base if front.get(t, {}).get("verdict") == "pass"]
     diff = [t for t in base if t not in set(ok)]
@@ -493,6 +493,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=int, default=120, help="seconds a test may take")
     ap.add_argument("--out", type=Path, help="keep the verdicts and logs here")
     ap.add_argument("--from", dest="load", type=Path, help="read verdicts kept with --out")
+    ap.add_argument(
+        "--reference",
+        type=Path,
+        help="take the store's run from a directory kept with --out (and run the front only)",
+    )
     ap.add_argument("--known", type=Path, default=KNOWN)
     ap.add_argument("--results", type=Path, help="write the committed results JSON here")
     ap.add_argument("--log-level", default="warning", help="the proxy's --log-level")
@@ -527,7 +532,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             router = Router(seaweed.endpoint_url, front)
             router.start()
-            for mode in [m.strip() for m in args.runs.split(",") if m.strip()]:
+            modes = [m.strip() for m in args.runs.split(",") if m.strip()]
+            if args.reference:
+                runs["store"] = json.loads((args.reference / "verdicts-store.json").read_text())
+                took["store"] = json.loads((args.reference / "took.json").read_text())["store"]
+                modes = [m for m in modes if m != "store"]
+            for mode in modes:
                 t0 = time.monotonic()
                 runs[mode] = run_suite(
                     suite, args.suite_python, router, mode, tmp, select, args.timeout
@@ -557,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     store, front = runs["store"], runs["front"]
     base, ok, diff = compare(store, front)
     pct = 100.0 * len(ok) / len(base) if base else 0.0
-    reads_all = sum(1 for t in store if store[t]["reads"] or front.get(t, {}).get("reads"))
+    reads_all = sum(1 for t in store if t in front and (store[t]["reads"] or front[t]["reads"]))
     print(
         f"tests run: {len(store)}; read tests: {reads_all}; passed by the store: {len(base)}; "
         f"of those through the front: {len(ok)} ({pct:.1f} %)"
