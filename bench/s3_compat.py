@@ -593,7 +593,14 @@ def main(argv: list[str] | None = None) -> int:
             "read_tests_list": sorted(
                 short(t) for t in store if store[t]["reads"] or front.get(t, {}).get("reads")
             ),
-            "differences": {short(t): front.get(t, {}).get("message", "") for t in diff},
+            "differences": {
+                short(t): {
+                    "cause": listed.get(short(t), "unlisted"),
+                    "message": front.get(t, {}).get("message", ""),
+                }
+                for t in diff
+            },
+            "causes": dict(Counter(listed.get(short(t), "unlisted") for t in diff)),
         }
         args.results.write_text(json.dumps(doc, indent=1) + "\n")
     if fixed and not args.keyword:
