@@ -249,7 +249,7 @@ def _url_form(request: web.Request, url: Any) -> tuple[str, Any]:
     if not isinstance(url, str) or url.startswith("/"):
         return "proxy path", url
     s = request.app[SETTINGS]
-    if any(url.startswith(u.base + "/") for u in s.upstreams):
+    if any(url.startswith(u.root) for u in s.upstreams):
         return "upstream URL", url
     scheme, sep, rest = url.partition("://")
     host, slash, path = rest.partition("/")
@@ -289,10 +289,10 @@ async def _where(request: web.Request) -> web.Response:
     except ProxyError as exc:
         body.update(form=form, error=str(exc))
         return web.json_response(body)
-    under = [u for u in s.upstreams if canonical.startswith(u.base + "/")]
+    under = [u for u in s.upstreams if canonical.startswith(u.root)]
     if under:
-        up = max(under, key=lambda u: len(u.base))
-        rest = canonical[len(up.base) :]
+        up = max(under, key=lambda u: len(u.root))
+        rest = "/" + canonical[len(up.root) :]
         path = (f"/{up.name}" if up.name else "") + rest
         upstream = _without_userinfo(str(up))
     else:  # a host of --allow-host, in the absolute-URL form

@@ -135,6 +135,7 @@ def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
         region=settings.s3_region or "us-east-1",
         domains=settings.s3_domains,
         catch_all=any(not u.name for u in settings.upstreams),
+        store=any(u.whole_store for u in settings.upstreams),
     )
     if not settings.admin_token and not loopback_only(settings.host):
         log.warning(

@@ -53,10 +53,9 @@ def upstream_path(url: str, upstreams: Sequence[Upstream]) -> str | None:
     path = url.partition("?")[0].partition("#")[0]
     best: str | None = None
     for u in upstreams:
-        base = u.base.rstrip("/")
-        if path.startswith(base + "/") and (best is None or len(base) > len(best)):
-            best = base
-    return None if best is None else path[len(best) + 1 :]
+        if path.startswith(u.root) and (best is None or len(u.root) > len(best)):
+            best = u.root
+    return None if best is None else path[len(best) :]
 
 
 def on_paths(url: str, upstreams: Sequence[Upstream], patterns: Sequence[str]) -> bool:

@@ -120,6 +120,9 @@ class S3Front:
     cloud: CloudUpstream | None = None  # lists gs:// and az:// buckets
     domains: Sequence[str] = ("localhost",)  # virtual-hosted style: BUCKET.DOMAIN
     catch_all: bool = False  # an unnamed upstream maps every other path
+    # the unnamed upstream is the whole S3 store (``--upstream s3://``): every name shaped
+    # like a bucket's is the store's bucket of that name, unless a named upstream has it
+    store: bool = False
     access_key: str | None = None
     secret_key: str | None = None
     allow_anonymous: bool | None = None
@@ -147,9 +150,11 @@ class S3Front:
         if self._proxys_own(request):
             return await handler(request)  # the common case, decided without the rest
         host = request.headers.get("Host")
-        target = classify_request(request.raw_path, self.buckets, host, self.domains)
+        target = classify_request(request.raw_path, self.buckets, host, self.domains, self.store)
         virtual = virtual_bucket(host, self.domains) is not None
         s3ish = virtual or is_s3_request(request.headers, request.query)
+        if not s3ish and target.kind == "object" and target.bucket not in self.buckets:
+            return await handler(request)  # a plain client's read of the store's object
         if target.kind == "other":
             if not s3ish or self.catch_all or not is_bucket_name(target.bucket):
                 return await handler(request)  # the proxy's own paths
@@ -217,7 +222,7 @@ class S3Front:
         first = path[1:].partition("/")[0]
         if first in self.buckets:
             return False
-        if not self.catch_all and _BUCKET_NAME_RE.match(first):
+        if (self.store or not self.catch_all) and _BUCKET_NAME_RE.match(first):
             return False
         if not self.domains:
             return True
@@ -291,11 +296,23 @@ class S3Front:
 
     # -- service and bucket level
 
+    def _base(self, bucket: str) -> str:
+        """The upstream base URL of a front bucket: a named upstream's, else (the whole
+        store behind the front) the store's bucket of that name."""
+        base = self.buckets.get(bucket)
+        if base is None:
+            if not self.store:
+                raise NoSuchBucket(f"The specified bucket does not exist: no bucket {bucket!r}")
+            return f"s3://{bucket}"
+        return base
+
     async def _store_buckets(self) -> tuple[dict[str, Any], dict[str, str]]:
         """The upstream store's ListBuckets: creation date by bucket name, and its owner
         (``{}`` for either when there is no s3:// bucket or the store refuses: the proxy's
         credentials may read objects without being allowed to list buckets)."""
-        if self.s3 is None or not any(b.startswith("s3://") for b in self.buckets.values()):
+        if self.s3 is None or not (
+            self.store or any(b.startswith("s3://") for b in self.buckets.values())
+        ):
             return {}, {}
         try:
             await self.s3.ensure_started()
@@ -310,10 +327,14 @@ class S3Front:
         if request.method not in ("GET", "HEAD"):
             raise S3MethodNotAllowed("read-only cache: buckets can be listed only")
         dates, store_owner = await self._store_buckets()
-        created = {
-            name: dates.get(parse_s3_url(base).bucket) if base.startswith("s3://") else None
-            for name, base in self.buckets.items()
-        }
+        # the whole store: each of its buckets under its own name, a named one over it
+        created = dict(dates) if self.store else {}
+        created.update(
+            {
+                name: dates.get(parse_s3_url(base).bucket) if base.startswith("s3://") else None
+                for name, base in self.buckets.items()
+            }
+        )
         return web.Response(
             body=render_buckets(store_owner, created), content_type="application/xml"
         )
@@ -322,7 +343,7 @@ class S3Front:
         """Raise NoSuchBucket when the store says the upstream bucket of ``bucket`` does
         not exist (HeadBucket). Any other answer, a refusal included, leaves the bucket
         standing: credentials may read objects without being allowed HeadBucket."""
-        base = self.buckets[bucket]
+        base = self._base(bucket)
         if not base.startswith("s3://") or self.s3 is None:
             return
         from botocore.exceptions import ClientError
@@ -366,7 +387,7 @@ class S3Front:
     async def _versioning(self, bucket: str, headers: dict[str, str]) -> web.Response:
         """GetBucketVersioning as the store answers it (versionId reads go to the store);
         a bucket that is not S3 has never been versioned."""
-        base = self.buckets[bucket]
+        base = self._base(bucket)
         result: Mapping[str, Any] = {}
         if base.startswith("s3://") and self.s3 is not None:
             loc = parse_s3_url(base)
@@ -383,7 +404,7 @@ class S3Front:
     ) -> web.Response:
         """ListObjects (V1) or ListObjectsV2 of a front bucket, from the upstream
         bucket's ListObjectsV2."""
-        base = self.buckets[bucket]
+        base = self._base(bucket)
         if base.startswith(("gs://", "az://")):
             return await self._list_cloud(bucket, base, query, headers, v1)
         if not base.startswith("s3://"):

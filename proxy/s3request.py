@@ -79,24 +79,27 @@ def classify_request(
     buckets: Iterable[str],
     host: str | None = None,
     domains: Sequence[str] = (),
+    store: bool = False,
 ) -> FrontRequest:
     """Classify a raw request path (no query) against the front's bucket names.
 
     With ``host`` under one of ``domains`` (``BUCKET.DOMAIN[:PORT]``, virtual-hosted
     style) the bucket comes from the Host and the whole path is the key; a bucket the
     front does not have is kind ``"nobucket"``. Otherwise the first path segment names
-    the bucket (path style)."""
+    the bucket (path style). With ``store`` (the whole S3 store behind the front) every
+    name shaped like a bucket's is one: the store says whether it exists."""
     path = raw_path.partition("?")[0]
+    names = set(buckets)
     vbucket = virtual_bucket(host, domains)
     if vbucket is not None:
-        if vbucket not in set(buckets):
+        if vbucket not in names and not (store and is_bucket_name(vbucket)):
             return FrontRequest("nobucket", vbucket)
         key = path[1:]
         return FrontRequest("object", vbucket, key) if key else FrontRequest("bucket", vbucket)
     if path == "/":
         return FrontRequest("service")
     bucket, slash, key = path[1:].partition("/")
-    if bucket not in set(buckets):
+    if bucket not in names and not (store and is_bucket_name(bucket)):
         return FrontRequest("other", bucket)
     if not key:
         return FrontRequest("bucket", bucket)

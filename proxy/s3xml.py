@@ -50,6 +50,9 @@ def list_params(query: Mapping[str, str], base_prefix: str, v1: bool = False) ->
     encoding = query.get("encoding-type")
     if encoding not in (None, "", "url"):
         raise InvalidArgument(f"invalid encoding-type {encoding!r}")
+    if query.get("allow-unordered") == "true" and query.get("delimiter"):
+        # an unordered listing cannot group keys under a delimiter (the store says so)
+        raise InvalidArgument("allow-unordered cannot be used with a delimiter")
     params: dict[str, Any] = {
         "Prefix": base_prefix + query.get("prefix", ""),
         "MaxKeys": _int_param(query, "max-keys", 1000, 0, 1000),
@@ -110,12 +113,17 @@ def render_list(
     def enc(s: str) -> str:
         return quote(s, safe="/") if url_enc else s
 
+    # the fields S3 url-encodes besides keys and common prefixes (and botocore decodes):
+    # V1 its Delimiter, Marker and NextMarker, V2 its Delimiter, Prefix and StartAfter
+    def prefix_enc(s: str) -> str:
+        return s if v1 else enc(s)
+
     contents = result.get("Contents", []) or []
     prefixes = result.get("CommonPrefixes", []) or []
     truncated = bool(result.get("IsTruncated"))
     root = ET.Element("ListBucketResult", xmlns=S3_NS)
     _sub(root, "Name", bucket)
-    _sub(root, "Prefix", enc(query.get("prefix", "")))
+    _sub(root, "Prefix", prefix_enc(query.get("prefix", "")))
     if v1:
         _sub(root, "Marker", enc(query.get("marker", "")))
         if truncated:

@@ -11,7 +11,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from proxy.credentials import Credential, parse_credential
-from proxy.policy import Upstream, parse_size
+from proxy.policy import STORE_BASE, Upstream, parse_size
 from proxy.setting import _show_size
 from proxy.upstream.s3url import parse_s3_url
 from shardcache.errors import S3_EXTRA_HINT, BadRequest
@@ -123,6 +123,14 @@ def _parse_upstream(value: str) -> Upstream:
         if not _NAME_RE.match(name):
             raise ValueError(f"bad upstream name {name!r} in {value!r}")
     parts = urlsplit(url)
+    if url.rstrip("/") == STORE_BASE.rstrip("/"):
+        # every bucket of the S3 store, each under its own name: /BUCKET/KEY
+        if name is not None:
+            raise ValueError(
+                f"{value!r}: s3:// (every bucket of the store) is the unnamed upstream; "
+                "name one bucket with NAME=s3://BUCKET[/PREFIX]"
+            )
+        return Upstream(None, STORE_BASE)
     if parts.scheme == "s3":
         try:
             parse_s3_url(url)

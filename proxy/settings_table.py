@@ -48,7 +48,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "upstreams",
         (),
-        "upstream base URL (http, https, file, s3, gs, az); NAME=URL mounts it under /NAME/; repeatable",
+        "upstream base URL (http, https, file, s3, gs, az); NAME=URL mounts it under /NAME/; s3:// alone serves every bucket of the S3 store as /BUCKET/KEY; repeatable",
         _upstreams,
         flag="--upstream",
         env=ENV_PREFIX + "UPSTREAM",

@@ -367,3 +367,19 @@ def test_s3_domains_and_tls_settings(tmp_path):
         parse_settings(
             base + ["--tls-cert", str(tmp_path / "absent.pem"), "--tls-key", str(cert)], {}
         )
+
+
+def test_the_whole_store_upstream_maps_each_bucket_under_its_name(tmp_path):
+    """``--upstream s3://``: ``/BUCKET/KEY`` is ``s3://BUCKET/KEY``; a named upstream
+    keeps its name; a named whole store is refused (its names are the store's)."""
+    s = parse_settings(
+        ["--cache-dir", str(tmp_path), "--upstream", "s3://", "--upstream", "n=s3://bkt2/p"]
+    )
+    store = s.upstreams[0]
+    assert (store.name, store.base, store.whole_store, str(store)) == (None, "s3://", True, "s3://")
+    assert not s.upstreams[1].whole_store
+    assert map_request("/bkt/a/b.tar?versionId=v1", s.upstreams) == "s3://bkt/a/b.tar?versionId=v1"
+    assert map_request("/n/x.tar", s.upstreams) == "s3://bkt2/p/x.tar"
+    assert map_url("s3://other/k.tar", s.upstreams) == "s3://other/k.tar"
+    with pytest.raises(ConfigError, match="unnamed upstream"):
+        parse_settings(["--cache-dir", str(tmp_path), "--upstream", "all=s3://"])

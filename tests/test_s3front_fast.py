@@ -43,6 +43,8 @@ FRONTS = [
     {"buckets": {}, "catch_all": True},
     {"buckets": {"shards": "http://o/s"}, "catch_all": False, "domains": ()},
     {"buckets": {"shards": "http://o/s"}, "catch_all": True, "domains": ("s3.example",)},
+    {"buckets": {}, "catch_all": True, "store": True},
+    {"buckets": {"shards": "s3://b/p"}, "catch_all": True, "store": True},
 ]
 
 

