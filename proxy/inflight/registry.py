@@ -95,7 +95,7 @@ class Inflight:
 
     def running(self, url: str) -> bool:
         """Whether a download of ``url`` is under way here."""
-        return self.store.key(url) in self._downloads
+        return bool(self._downloads) and self.store.key(url) in self._downloads
 
     def in_progress(self) -> list[Download]:
         """The downloads in progress now (a snapshot; none is acquired for the caller)."""
@@ -103,6 +103,8 @@ class Inflight:
 
     def get(self, url: str) -> Download | None:
         """The running download of ``url``, already acquired for the caller, or None."""
+        if not self._downloads:
+            return None  # every hit asks: no key to derive (a hash of the URL) when idle
         dl = self._downloads.get(self.store.key(url))
         if dl is not None:
             dl.acquire()
