@@ -84,6 +84,12 @@ def _connection_string() -> dict[str, str]:
     return parts
 
 
+def _stale_connection(exc: BaseException) -> bool:
+    """Whether obstore failed to send a request at all (its HTTP client's "error sending
+    request": a kept-alive connection closed by the service between two requests)."""
+    return "error sending request" in str(exc).split("\n", 1)[0].lower()
+
+
 class CloudUpstream:
     """Async client for ``gs://`` and ``az://`` objects: HEAD, ranged GET pinned to an
     ETag, listing in ListObjectsV2's shape (for the S3 front).
@@ -174,10 +180,17 @@ class CloudUpstream:
         client's policy)."""
 
         async def once() -> Any:
-            try:
-                return await fn(*args, **kw)
-            except Exception as exc:
-                raise cloud_error(url, scheme, exc, body=False) from exc
+            for attempt in range(2):
+                try:
+                    return await fn(*args, **kw)
+                except Exception as exc:
+                    if attempt == 0 and _stale_connection(exc):
+                        # a pooled connection the service had closed: the request never
+                        # left (nothing was answered), so asking again on a fresh one is
+                        # the same read, not a retry of an answer
+                        continue
+                    raise cloud_error(url, scheme, exc, body=False) from exc
+            raise AssertionError("unreachable")
 
         return await retrying(once, url, self.retry if retry is None else retry)
 

@@ -114,3 +114,29 @@ def test_keys_obstore_would_rewrite_are_refused():
     for key in ("dir/", "a//b", "a/./b", "a/../b", ""):
         with pytest.raises(BadRequest):
             _object_key(f"gs://bkt/{key}", parse_cloud_url(f"gs://bkt/{key}"))
+
+
+def test_a_request_that_never_left_is_sent_again_once():
+    """obstore's "error sending request" (a kept-alive connection the service closed
+    between two requests) is asked again at once on a fresh connection, once; any other
+    failure, or a second such one, is the caller's."""
+    import asyncio
+
+    from proxy.upstream.cloud import CloudUpstream
+    from shardcache.errors import UpstreamError
+
+    calls: list[int] = []
+
+    async def flaky(times: int) -> str:
+        calls.append(1)
+        if len(calls) <= times:
+            raise RuntimeError("Generic HTTP error: error sending request for url (...)")
+        return "object"
+
+    up = CloudUpstream()
+    assert asyncio.run(up._call("gs://b/k", "gs", None, flaky, 1)) == "object"
+    assert len(calls) == 2
+    calls.clear()
+    with pytest.raises(UpstreamError, match="cannot reach"):
+        asyncio.run(up._call("gs://b/k", "gs", None, flaky, 2))
+    assert len(calls) == 2
