@@ -60,14 +60,11 @@ def read(url: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-def test_an_upstreams_echoed_secrets_are_redacted_in_stats_and_logs(origin, tmp_path):
-    env = {
-        "SHARDCACHE_ADMIN_TOKEN": ADMIN,
-        "ECHO_AUTH": AUTH,
-        "ECHO_HEADER": HEADER,
-        "AWS_SECRET_ACCESS_KEY": AWS,
-    }
-    p = ProxyProcess(
+def echo_proxy(origin: Origin, tmp_path, **env: str) -> ProxyProcess:
+    """A proxy in front of ``origin`` that sends it credentials from the environment
+    (``--upstream-auth``, ``--upstream-header``) and knows an AWS secret: each one
+    echoed back by the origin."""
+    return ProxyProcess(
         tmp_path / "cache",
         "--upstream",
         origin.url,
@@ -79,8 +76,12 @@ def test_an_upstreams_echoed_secrets_are_redacted_in_stats_and_logs(origin, tmp_
         "0",
         "--min-free",
         "0",
-        env=env,
+        env={"ECHO_AUTH": AUTH, "ECHO_HEADER": HEADER, "AWS_SECRET_ACCESS_KEY": AWS, **env},
     ).start()
+
+
+def test_an_upstreams_echoed_secrets_are_redacted_in_stats_and_logs(origin, tmp_path):
+    p = echo_proxy(origin, tmp_path, SHARDCACHE_ADMIN_TOKEN=ADMIN)
     try:
         query = f"X-Amz-Signature={SIGNATURE}&X-Amz-Credential={TOKEN}&n=1"
         for path in (f"/a/{ADMIN}/shard.tar", f"/b/shard.tar?{query}"):
@@ -138,20 +139,7 @@ def test_an_upstream_error_passed_to_a_client_names_no_configured_secret(origin,
     account in ``X-Shardcache-Error``; an origin that echoes the proxy's own credentials
     must not hand them to the client: the account is redacted, a field or a body that
     holds a configured secret is withheld."""
-    p = ProxyProcess(
-        tmp_path / "cache",
-        "--upstream",
-        origin.url,
-        "--upstream-auth",
-        "env:ECHO_AUTH",
-        "--upstream-header",
-        "X-Origin-Pass:env:ECHO_HEADER",
-        "--retries",
-        "0",
-        "--min-free",
-        "0",
-        env={"ECHO_AUTH": AUTH, "ECHO_HEADER": HEADER, "AWS_SECRET_ACCESS_KEY": AWS},
-    ).start()
+    p = echo_proxy(origin, tmp_path)
     try:
         for method in ("GET", "HEAD"):
             req = urllib.request.Request(p.url + "/shard.tar", method=method)
