@@ -54,6 +54,50 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
     raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def wait_listening(port: int, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Until something accepts connections on 127.0.0.1:``port``; fails with the tail of
+    ``log`` when ``proc`` exits first, or after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout:.0f} s")
+
+
+def spawn(
+    argv: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path = ROOT
+) -> subprocess.Popen:
+    """``argv`` started as the leader of a process group of its own, its output appended
+    to ``log``."""
+    with open(log, "ab") as f:
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+            cwd=str(cwd),
+        )
+
+
+def stop_group(p: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM to the process group ``p`` leads, SIGKILL when ``p`` has not exited after
+    ``timeout`` seconds."""
+    if p.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(5)
+
+
 # ---------------------------------------------------------------------------------------
 # the page cache
 
@@ -108,29 +152,12 @@ class Procs:
         self.live: list[subprocess.Popen] = []
 
     def start(self, argv: list[str], log: Path, env: dict[str, str] | None = None):
-        with open(log, "ab") as f:
-            p = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=env,
-                cwd=str(ROOT),
-            )
+        p = spawn(argv, log, env)
         self.live.append(p)
         return p
 
     def stop(self, p: subprocess.Popen, timeout: float = 15.0) -> None:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
+        stop_group(p, timeout)
         # workers of a group whose leader exited
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, signal.SIGKILL)

@@ -37,8 +37,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +46,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.harness import free_port, spawn, stop_group, wait_listening  # noqa: E402
+
 PRELOAD = Path(__file__).resolve().parent / "http_cache_tests_preload.mjs"
 KNOWN = Path(__file__).resolve().parent / "http_cache_tests_known.json"
 MODES = ("never", "always", "http")
@@ -88,52 +91,6 @@ for (const s of suites) {
 }
 console.log(JSON.stringify(out))
 """
-
-
-# ---------------------------------------------------------------------------------------
-# processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_listening(port: int, proc: subprocess.Popen, log: Path, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout:.0f} s")
-
-
-def start(argv: list[str], log: Path, env: dict[str, str], cwd: Path) -> subprocess.Popen:
-    with open(log, "ab") as f:
-        return subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=str(cwd),
-            start_new_session=True,
-        )
-
-
-def stop(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(5)
 
 
 # ---------------------------------------------------------------------------------------
@@ -208,13 +165,13 @@ def run_mode(
             npm_config_pidfile=str(work / "origin.pid"),
         )
         argv = ["node", "--import", PRELOAD.as_uri(), "test-engine/server/server.mjs"]
-        procs.append(start(argv, work / "origin.log", env, suite))
-        wait_listening(origin_port, procs[-1], work / "origin.log")
+        procs.append(spawn(argv, work / "origin.log", env, suite))
+        wait_listening(origin_port, procs[-1], work / "origin.log", 20.0)
         argv = [sys.executable, "-m", "shardcache", "serve", "--upstream", origin]
         argv += ["--port", str(proxy_port), "--cache-dir", str(work / "cache")]
         argv += ["--revalidate", mode, "--log-level", log_level, *proxy_args]
-        procs.append(start(argv, work / "proxy.log", dict(os.environ), ROOT))
-        wait_listening(proxy_port, procs[-1], work / "proxy.log")
+        procs.append(spawn(argv, work / "proxy.log", dict(os.environ), ROOT))
+        wait_listening(proxy_port, procs[-1], work / "proxy.log", 20.0)
         env = node_env(npm_config_base=base, npm_config_id=test_id, npm_package_config_id="")
         if not setup_through_proxy:
             env["CACHE_TESTS_SETUP_ORIGIN"] = origin
@@ -229,7 +186,7 @@ def run_mode(
         return json.loads(out.stdout)
     finally:
         for p in reversed(procs):
-            stop(p)
+            stop_group(p, 10)
 
 
 # ---------------------------------------------------------------------------------------

@@ -36,12 +36,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -59,6 +56,7 @@ sys.path.insert(0, str(ROOT / "tests" / "s3"))
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.harness import free_port, spawn, stop_group, wait_listening  # noqa: E402
 from proxy.s3request import (  # noqa: E402
     LIST_PARAMS,
     PRESIGN_PARAMS,
@@ -327,35 +325,6 @@ class Router:
 # processes
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_listening(port: int, proc: subprocess.Popen, log: Path, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout:.0f} s")
-
-
-def stop(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(5)
-
-
 def start_proxy(
     endpoint: str, tmp: Path, log_level: str, extra: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen, str]:
@@ -375,17 +344,8 @@ def start_proxy(
     argv += ["--port", str(port), "--cache-dir", str(tmp / "cache"), "--log-level", log_level]
     argv += [*REVALIDATE, *extra]
     log = tmp / "proxy.log"
-    with open(log, "ab") as f:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=str(ROOT),
-            start_new_session=True,
-        )
-    wait_listening(port, proc, log)
+    proc = spawn(argv, log, env)
+    wait_listening(port, proc, log, 30.0)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -549,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             if router is not None:
                 router.stop()
             if proxy is not None:
-                stop(proxy)
+                stop_group(proxy, 10)
             if seaweed is not None:
                 seaweed.stop()
             if args.out:
