@@ -669,15 +669,17 @@ def _covered(origin: Origin, name: str) -> list[tuple[int, int]]:
     return sorted(spans)
 
 
-def test_a_plans_next_shard_comes_first_and_in_parts(rig) -> None:
-    """The shard a plan's reader waits for gets the origin first: fetched in ranged parts
-    although --http-parts is off (the origin limits each connection), and no other shard
-    of the plan is asked for before all its parts are; every byte crosses once."""
+def _read_slow_shards_through_a_plan(rig, *flags: str) -> tuple[Origin, dict[str, bytes], int]:
+    """Six shards of eight 64 KiB parts from an origin that sends ~1.6 MB/s a connection,
+    read in turn at once through a plan with lookahead 4 (--prefetch-concurrency 4,
+    --parallel 4, 64 KiB parts, and ``flags``), each checked whole; returns the origin,
+    the files and the part size once the proxy is idle."""
     part = 64 << 10
     files = {f"s{i:02d}.tar": bytes([i]) * (8 * part) for i in range(6)}
     slow = {name: Fault(delay=0.01, chunk=16 << 10) for name in files}  # ~1.6 MB/s a connection
     origin, proxy = rig(
         files,
+        *flags,
         "--prefetch-concurrency",
         "4",
         "--part-size",
@@ -695,6 +697,14 @@ def test_a_plans_next_shard_comes_first_and_in_parts(rig) -> None:
         status, _, data = _get(proxy, f"s{i:02d}.tar", {"X-Shardcache-Plan": pid})
         assert status == 200 and data == files[f"s{i:02d}.tar"].decode()
     wait_idle(proxy.port)
+    return origin, files, part
+
+
+def test_a_plans_next_shard_comes_first_and_in_parts(rig) -> None:
+    """The shard a plan's reader waits for gets the origin first: fetched in ranged parts
+    although --http-parts is off (the origin limits each connection), and no other shard
+    of the plan is asked for before all its parts are; every byte crosses once."""
+    origin, files, part = _read_slow_shards_through_a_plan(rig)
     first = _covered(origin, "s00.tar")
     assert first == [(k * part, (k + 1) * part) for k in range(8)], first  # 8 parts, once each
     starts = [name for kind, name, _ in origin.events if kind == "start"]
@@ -733,29 +743,7 @@ def test_with_http_parts_on_the_lookahead_beside_a_waited_shard_comes_in_one_str
     """--http-parts on: the shards a plan fetches ahead while its reader's next shard
     downloads come in one stream each, leaving the part requests to the shard the
     reader needs first; every byte still crosses once."""
-    part = 64 << 10
-    files = {f"s{i:02d}.tar": bytes([i]) * (8 * part) for i in range(6)}
-    slow = {name: Fault(delay=0.01, chunk=16 << 10) for name in files}  # ~1.6 MB/s a connection
-    origin, proxy = rig(
-        files,
-        "--http-parts",
-        "on",
-        "--prefetch-concurrency",
-        "4",
-        "--part-size",
-        f"{part}B",
-        "--parallel",
-        "4",
-        faults=slow,
-    )
-    status, body, _ = _call(
-        proxy, "POST", "/-/plans", {"pattern": "/s{00..05}.tar", "lookahead": 4}
-    )
-    assert status == 201, body
-    for i in range(6):
-        status, _, data = _get(proxy, f"s{i:02d}.tar", {"X-Shardcache-Plan": body["id"]})
-        assert status == 200 and data == files[f"s{i:02d}.tar"].decode()
-    wait_idle(proxy.port)
+    origin, files, part = _read_slow_shards_through_a_plan(rig, "--http-parts", "on")
     assert len(_covered(origin, "s00.tar")) == 8  # the first shard in parts
     whole = [name for name in files if _covered(origin, name) == [(0, 8 * part)]]
     assert whole, origin.ranges  # at least one shard fetched ahead in one stream
