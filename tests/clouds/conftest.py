@@ -12,8 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from clouddata import BUCKET, OBJECTS  # noqa: E402
 from emulators import Azurite, FakeGCS, azurite_binary, fake_gcs_binary  # noqa: E402
+from support.data import BUCKET, OBJECTS  # noqa: E402
 
 
 @pytest.fixture(scope="session")

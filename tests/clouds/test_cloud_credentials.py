@@ -24,7 +24,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from clouddata import BUCKET, OBJECTS  # noqa: E402
+from support.data import BUCKET, OBJECTS  # noqa: E402
 from support.proxy_helpers import ProxyProcess  # noqa: E402
 
 SMALL = OBJECTS["shards/small.tar"]

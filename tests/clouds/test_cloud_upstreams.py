@@ -25,7 +25,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from clouddata import BUCKET, OBJECTS  # noqa: E402
+from support.data import BUCKET, OBJECTS  # noqa: E402
 from support.proxy_helpers import ProxyProcess, make_shard  # noqa: E402
 
 MEDIUM = OBJECTS["shards/medium.tar"]

@@ -1,4 +1,5 @@
-"""Test data: digests to compare bytes by, and shard builders."""
+"""Test data: digests to compare bytes by, shard builders, and the objects in the object
+stores' bucket."""
 
 from __future__ import annotations
 
@@ -10,6 +11,25 @@ import tarfile
 
 # the parts tests' object: 1000 KiB and a tail, so its last part is short
 PARTS_OBJECT = random.Random(7).randbytes(1000 * 1024 + 123)
+
+
+def _payload(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+# the bucket (an S3 bucket, a GCS bucket, an Azure container) and the objects every S3,
+# GCS and Azure test finds in its store: key -> bytes, uploaded once per session
+BUCKET = "shardcache-test"
+OBJECTS: dict[str, bytes] = {
+    "shards/small.tar": _payload(10_000, 1),
+    "shards/medium.tar": _payload(3 * 1024 * 1024 + 17, 2),
+    "shards/empty.tar": b"",
+    "shards/dir/x one+two.tar": _payload(1234, 3),
+    **{f"many/obj-{i:03d}.bin": _payload(100 + i, 100 + i) for i in range(23)},
+    "many/sub/a.bin": b"a",
+    "many/sub/b.bin": b"bb",
+    "toplevel.bin": b"top",
+}
 
 
 def sha(data: bytes | bytearray) -> str:

@@ -3,30 +3,10 @@ with 1 MiB parts, the S3 front)."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-from .data import sha
+from .data import BUCKET, OBJECTS, sha
 from .proxy import ProxyProcess, aws_env
-
-BUCKET = "shardcache-test"
-
-
-def _payload(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
-
-
-# key -> bytes, uploaded once per session
-OBJECTS: dict[str, bytes] = {
-    "shards/small.tar": _payload(10_000, 1),
-    "shards/medium.tar": _payload(3 * 1024 * 1024 + 17, 2),
-    "shards/empty.tar": b"",
-    "shards/dir/x one+two.tar": _payload(1234, 3),
-    **{f"many/obj-{i:03d}.bin": _payload(100 + i, 100 + i) for i in range(23)},
-    "many/sub/a.bin": b"a",
-    "many/sub/b.bin": b"bb",
-    "toplevel.bin": b"top",
-}
 
 MEDIUM = OBJECTS["shards/medium.tar"]
 
