@@ -150,11 +150,9 @@ def test_room_for_counts_only_the_planned_keys_present(tmp_path):
     assert store.room_for(["absent"]) == (1000, None)
 
 
-def test_open_reads_names_in_chunks_not_every_row(tmp_path, monkeypatch):
-    monkeypatch.setattr(reconcile, "NAMES_PER_QUERY", 500)
-    store = Store(tmp_path)
-    seed(store, 1200, 1)
-    store.close()
+def opened_traced(store_dir: Path) -> tuple[Store, list[str]]:
+    """A store opened on ``store_dir`` and the list its write connection records every SQL
+    statement in, from the first (opening's own) on."""
     seen: list[str] = []
 
     class Traced(Store):
@@ -165,7 +163,15 @@ def test_open_reads_names_in_chunks_not_every_row(tmp_path, monkeypatch):
                 conn.set_trace_callback(seen.append)
             return conn
 
-    opened = Traced(tmp_path)
+    return Traced(store_dir), seen
+
+
+def test_open_reads_names_in_chunks_not_every_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(reconcile, "NAMES_PER_QUERY", 500)
+    store = Store(tmp_path)
+    seed(store, 1200, 1)
+    store.close()
+    opened, seen = opened_traced(tmp_path)
     assert opened.stats()["entries"] == 1200
     assert full_scans(seen) == []
     assert sum("WHERE key IN" in s for s in seen) >= 3  # 1,200 names, 500 a lookup
@@ -318,17 +324,7 @@ def test_the_memo_holds_an_entry_in_a_third_of_the_memory(tmp_path):
 
 def names_compared(store_dir: Path) -> tuple[Store, bool]:
     """Open a store on ``store_dir``; whether opening compared the names with the index."""
-    seen: list[str] = []
-
-    class Traced(Store):
-        def _connect(self) -> sqlite3.Connection:
-            fresh = self._conn is None
-            conn = super()._connect()
-            if fresh:
-                conn.set_trace_callback(seen.append)
-            return conn
-
-    store = Traced(store_dir)
+    store, seen = opened_traced(store_dir)
     conn = store._connect()
     conn.set_trace_callback(None)
     return store, any("WHERE key IN" in s for s in seen)
