@@ -344,14 +344,19 @@ class Index:
             return conn
         self._connect()  # creates or migrates the index first
         try:
-            conn = sqlite3.connect(
-                f"file:{self.cache_dir / INDEX_NAME}?mode=ro",
-                uri=True,
-                isolation_level=None,
-                timeout=BUSY_TIMEOUT_MS / 1000,
-                check_same_thread=False,
-            )
+            conn = self._open_read_only()
         except sqlite3.Error as exc:
             raise self._unusable(exc) from exc
         self._readers.conn, self._readers.pid = conn, os.getpid()
         return conn
+
+    def _open_read_only(self) -> sqlite3.Connection:
+        """A new read-only connection to the index, usable from any thread; sqlite3.Error
+        when it cannot be opened."""
+        return sqlite3.connect(
+            f"file:{self.cache_dir / INDEX_NAME}?mode=ro",
+            uri=True,
+            isolation_level=None,
+            timeout=BUSY_TIMEOUT_MS / 1000,
+            check_same_thread=False,
+        )

@@ -22,7 +22,6 @@ from typing import NamedTuple
 from shardcache.errors import CacheError
 from shardcache.store.downloads import Downloads
 from shardcache.store.entry import Entry
-from shardcache.store.index import BUSY_TIMEOUT_MS, INDEX_NAME
 from shardcache.store.names import (
     HOST,
     PathStr,
@@ -446,13 +445,7 @@ class Reconcile(Downloads):
         others: list[str] = []  # .part and .del names
         gone: list[str] = []  # rows of the snapshot whose file was not there
         try:
-            conn = sqlite3.connect(
-                f"file:{self.cache_dir / INDEX_NAME}?mode=ro",
-                uri=True,
-                isolation_level=None,
-                timeout=BUSY_TIMEOUT_MS / 1000,
-                check_same_thread=False,
-            )
+            conn = self._open_read_only()
         except sqlite3.Error as exc:
             raise self._index_error(exc, "cannot open index") from exc
         try:
