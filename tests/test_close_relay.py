@@ -37,17 +37,14 @@ WHOLE = ("threads", "aiohttp")  # the transports that read a whole body in one a
 
 @pytest.fixture(params=WHOLE)
 def transport(request) -> str:
+    """Each whole-body transport in turn; conftest's ``proxy_args`` gives the proxy its
+    flags."""
     return request.param
 
 
 @pytest.fixture
 def origin(bad_origin: BadOrigin) -> BadOrigin:
     return bad_origin
-
-
-@pytest.fixture
-def proxy_args(transport: str) -> tuple[str, ...]:
-    return (*COMMON, *TRANSPORTS[transport])
 
 
 @dataclass
