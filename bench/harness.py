@@ -141,6 +141,39 @@ def http_headers(url: str, timeout: float = 5.0) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------
+# nginx
+
+NGINX_HEAD = """
+worker_processes {workers};
+{user}
+events {{ worker_connections {connections}; }}
+http {{
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+"""
+
+
+def nginx_argv(
+    nginx: str, tmp: Path, http: str, workers: int | str = 1, connections: int = 1024
+) -> list[str]:
+    """Writes ``tmp/nginx.conf``: ``workers`` worker processes of ``connections`` each (as
+    root when run by root), every temporary path under ``tmp``, then ``http``, the rest of
+    its http block. Returns the command that runs ``nginx`` on it in the foreground, with
+    its pid file and error log in ``tmp``."""
+    for d in ("body", "proxy", "fastcgi", "uwsgi", "scgi", "cache", "logs"):
+        (tmp / d).mkdir(parents=True, exist_ok=True)
+    user = "user root;" if os.geteuid() == 0 else ""
+    head = NGINX_HEAD.format(workers=workers, user=user, connections=connections, tmp=tmp)
+    conf = tmp / "nginx.conf"
+    conf.write_text(head + http + "}\n")
+    g = f"daemon off; pid {tmp}/nginx.pid; error_log {tmp}/error.log warn;"
+    return [nginx, "-p", str(tmp), "-c", str(conf), "-g", g]
+
+
+# ---------------------------------------------------------------------------------------
 # process groups and cleanup
 
 

@@ -45,22 +45,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.harness import free_port, nginx_argv  # noqa: E402
+
 WRK = shutil.which("wrk") or "/usr/bin/wrk"
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 PYSPY = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
 OBJECTS = {"64 KiB": ("/obj64k.bin", 64 << 10), "1 KiB": ("/obj1k.bin", 1 << 10)}
 
-NGINX_CONF = """
-worker_processes 1;
-{user}
-events {{ worker_connections 1024; }}
-http {{
-    client_body_temp_path {tmp}/body;
-    proxy_temp_path {tmp}/proxy;
-    fastcgi_temp_path {tmp}/fastcgi;
-    uwsgi_temp_path {tmp}/uwsgi;
-    scgi_temp_path {tmp}/scgi;
-    default_type application/octet-stream;
+# the http block after the harness's NGINX_HEAD (one worker)
+NGINX_HTTP = """    default_type application/octet-stream;
     sendfile on;
     keepalive_requests 1000000;
     access_log off;
@@ -68,7 +64,6 @@ http {{
         listen 127.0.0.1:{port} backlog=1024;
         root {data};
     }}
-}}
 """
 
 BARE_AIOHTTP = """
@@ -84,14 +79,6 @@ for path in bodies:
     app.router.add_get(path, handler)
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[2]), print=None, access_log=None)
 """
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -132,19 +119,10 @@ class Server:
 
 
 def start_nginx(tmp: Path, data: Path) -> Server:
-    for d in ("body", "proxy", "fastcgi", "uwsgi", "scgi", "logs"):
-        (tmp / d).mkdir(parents=True, exist_ok=True)
     port = free_port()
-    conf = tmp / "nginx.conf"
-    user = "user root;" if os.geteuid() == 0 else ""
-    conf.write_text(NGINX_CONF.format(user=user, tmp=tmp, port=port, data=data))
+    argv = nginx_argv(NGINX, tmp, NGINX_HTTP.format(port=port, data=data))
     log = tmp / "nginx.log"
-    g = f"daemon off; pid {tmp}/nginx.pid; error_log {tmp}/error.log warn;"
-    proc = subprocess.Popen(
-        [NGINX, "-p", str(tmp), "-c", str(conf), "-g", g],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     wait_port(port, proc, log)
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
     if len(children) != 1:

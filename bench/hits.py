@@ -62,6 +62,7 @@ from bench.harness import (  # noqa: E402
     check_alive,
     interruptible,
     markdown,
+    nginx_argv,
     rotated,
     say,
 )
@@ -81,17 +82,8 @@ WRK = shutil.which("wrk") or "/usr/bin/wrk"
 
 # nginx as a cache. No tcp_nopush (nginx's default is off): with it on, a cached 64 KiB
 # response stalls ~40 ms per request on loopback (1.6k against 30k req/s at -c64).
-NGINX_CACHE_CONF = """
-worker_processes {workers};
-{user}
-events {{ worker_connections 4096; }}
-http {{
-    client_body_temp_path {tmp}/body;
-    proxy_temp_path {tmp}/proxy;
-    fastcgi_temp_path {tmp}/fastcgi;
-    uwsgi_temp_path {tmp}/uwsgi;
-    scgi_temp_path {tmp}/scgi;
-    default_type application/octet-stream;
+# (the http block after the harness's NGINX_HEAD, with worker_connections 4096)
+NGINX_CACHE_HTTP = """    default_type application/octet-stream;
     sendfile on;
     keepalive_requests 100000;
     access_log off;
@@ -110,7 +102,6 @@ http {{
             add_header X-Cache-Status $upstream_cache_status;
         }}
     }}
-}}
 """
 
 WRK_LUA_HOT = """
@@ -180,23 +171,11 @@ class NginxCache(NginxServer):
         self.ready_s = 0.0
 
     def start(self) -> None:
-        for d in ("body", "proxy", "fastcgi", "uwsgi", "scgi", "cache", "logs"):
-            (self.tmp / d).mkdir(parents=True, exist_ok=True)
-        conf = NGINX_CACHE_CONF.format(
-            workers=self.workers,
-            user="user root;" if os.geteuid() == 0 else "",
-            tmp=self.tmp,
-            origin=self.origin_port,
-            port=self.port,
-        )
-        cpath = self.tmp / "nginx.conf"
-        cpath.write_text(conf)
+        http = NGINX_CACHE_HTTP.format(tmp=self.tmp, origin=self.origin_port, port=self.port)
+        argv = nginx_argv(NGINX, self.tmp, http, self.workers, connections=4096)
         self.log = self.tmp / "stderr.log"
-        g = f"daemon off; pid {self.tmp}/nginx.pid; error_log {self.tmp}/error.log warn;"
         t0 = time.monotonic()
-        self.proc = self.procs.start(
-            [NGINX, "-p", str(self.tmp), "-c", str(cpath), "-g", g], self.log
-        )
+        self.proc = self.procs.start(argv, self.log)
 
         def ready() -> bool:
             check_alive(self.proc, self.name, self.log)

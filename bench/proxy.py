@@ -82,6 +82,7 @@ from bench.harness import (  # noqa: E402
     interruptible,
     markdown,
     median,
+    nginx_argv,
     parse_sections,
     ratio,
     rotated,
@@ -105,24 +106,14 @@ MIB = 1 << 20
 # servers
 
 
-NGINX_COMMON = """
-worker_processes {workers};
-{user}
-events {{ worker_connections 1024; }}
-http {{
-    client_body_temp_path {tmp}/body;
-    proxy_temp_path {tmp}/proxy;
-    fastcgi_temp_path {tmp}/fastcgi;
-    uwsgi_temp_path {tmp}/uwsgi;
-    scgi_temp_path {tmp}/scgi;
-    default_type application/x-tar;
+# the http block of every nginx here (after the harness's NGINX_HEAD)
+NGINX_HTTP = """    default_type application/x-tar;
     sendfile on;
     tcp_nopush on;
     keepalive_requests 10000;
     log_format bytes '$request_uri $status $body_bytes_sent $upstream_cache_status';
     access_log {tmp}/access.log bytes;
 {server}
-}}
 """
 
 ORIGIN_SERVER = """
@@ -221,22 +212,10 @@ class NginxServer(Server):
         self.access_log = tmp / "access.log"
 
     def start(self) -> None:
-        for d in ("body", "proxy", "fastcgi", "uwsgi", "scgi", "cache", "logs"):
-            (self.tmp / d).mkdir(parents=True, exist_ok=True)
         server = self.server_block.format(port=self.port, tmp=self.tmp)
-        conf = NGINX_COMMON.format(
-            workers=self.workers,
-            user="user root;" if os.geteuid() == 0 else "",
-            tmp=self.tmp,
-            server=server,
-        )
-        cpath = self.tmp / "nginx.conf"
-        cpath.write_text(conf)
+        http = NGINX_HTTP.format(tmp=self.tmp, server=server)
         self.log = self.tmp / "stderr.log"
-        g = f"daemon off; pid {self.tmp}/nginx.pid; error_log {self.tmp}/error.log warn;"
-        self.proc = self.procs.start(
-            [NGINX, "-p", str(self.tmp), "-c", str(cpath), "-g", g], self.log
-        )
+        self.proc = self.procs.start(nginx_argv(NGINX, self.tmp, http, self.workers), self.log)
         wait_until(
             lambda: (
                 check_alive(self.proc, self.name, self.log)
