@@ -64,8 +64,8 @@ from bench.harness import (  # noqa: E402
     MIB,
     Procs,
     RssSampler,
+    add_run_options,
     check_alive,
-    default_python,
     drop_caches_allowed,
     fmt,
     interruptible,
@@ -772,17 +772,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="parts: leave out the first variant with --http-parts off",
     )
-    p.add_argument(
-        "--no-drop-caches",
-        dest="drop_caches",
-        action="store_false",
-        help="before each cold run only sync; by default also drop the page cache (root)",
-    )
     p.add_argument("--timeout", type=float, default=120, help="bound on one request, s")
-    p.add_argument("--dir", default=None, help="parent of the temporary directory (caches)")
-    p.add_argument("--data-dir", default=None, help="parent of the origin's data (tmpfs)")
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
-    p.add_argument("--python", default=default_python(), help="interpreter of the proxy")
+    add_run_options(p)
     p.add_argument("--_origin", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rounds is None:

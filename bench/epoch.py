@@ -107,8 +107,8 @@ from bench.harness import (  # noqa: E402
     MIB,
     Procs,
     RssSampler,
+    add_run_options,
     check_alive,
-    default_python,
     drop_caches_allowed,
     group_cpu_seconds,
     interruptible,
@@ -1431,16 +1431,8 @@ def parse_args(argv):
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--timeout", type=float, default=120, help="bound on the wait for one sample")
-    p.add_argument(
-        "--no-drop-caches",
-        dest="drop_caches",
-        action="store_false",
-        help="before each run only sync; by default also drop the page cache (root)",
-    )
-    p.add_argument("--dir", default=None, help="parent of the temporary directory (caches)")
+    add_run_options(p, cold="run", data=None)
     p.add_argument("--data", default=None, help="keep the generated data in DIR (reused)")
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
-    p.add_argument("--python", default=default_python(), help="interpreter of the proxy")
     p.add_argument("--_origin", nargs=5, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.shards is None:

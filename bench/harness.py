@@ -368,6 +368,33 @@ def default_python() -> str:
     return str(venv) if venv.exists() else sys.executable
 
 
+def add_run_options(
+    p: argparse.ArgumentParser, cold: str = "cold run", data: str | None = "the origin's data"
+) -> None:
+    """The options every run has: ``--no-drop-caches`` (``drop_caches``: before each
+    ``cold`` only sync), ``--dir`` and, unless ``data`` is None, ``--data-dir`` (what
+    :func:`workdirs` reads), ``--json`` and ``--python``."""
+    p.add_argument(
+        "--no-drop-caches",
+        dest="drop_caches",
+        action="store_false",
+        help=f"before each {cold} only sync; by default also drop the page cache (root)",
+    )
+    p.add_argument("--dir", default=None, help="parent of the temporary directory (caches)")
+    if data is not None:
+        p.add_argument(
+            "--data-dir",
+            default=None,
+            help=f"parent of {data} (default /dev/shm when it has room, else --dir)",
+        )
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument(
+        "--python",
+        default=default_python(),
+        help="interpreter that runs the proxy (default .venv/bin/python)",
+    )
+
+
 @contextlib.contextmanager
 def workdirs(args: argparse.Namespace, need: int, prefix: str):
     """(tmp, data): a temporary directory for caches and logs under ``--dir`` and one for

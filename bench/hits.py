@@ -60,6 +60,7 @@ from bench.harness import (  # noqa: E402
     Procs,
     RssSampler,
     check_alive,
+    default_python,
     interruptible,
     markdown,
     nginx_argv,
@@ -836,9 +837,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also write the results to this JSON file")
     p.add_argument(
         "--python",
-        default=str(ROOT / ".venv/bin/python")
-        if (ROOT / ".venv/bin/python").exists()
-        else sys.executable,
+        default=default_python(),
         help="interpreter that runs the proxy (default .venv/bin/python)",
     )
     args = p.parse_args(argv)

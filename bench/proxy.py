@@ -71,8 +71,8 @@ from bench.harness import (  # noqa: E402
     INTERRUPTED,
     Procs,
     RssSampler,
+    add_run_options,
     check_alive,
-    default_python,
     drop_caches_allowed,
     fmt,
     free_port,
@@ -1056,12 +1056,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-nginx", action="store_true", help="act as if nginx were missing")
     p.add_argument("--no-varnish", action="store_true", help="act as if varnishd were missing")
     p.add_argument(
-        "--no-drop-caches",
-        dest="drop_caches",
-        action="store_false",
-        help="before each cold run only sync; by default also drop the page cache (root)",
-    )
-    p.add_argument(
         "--client",
         choices=("socket", "curl"),
         default="socket",
@@ -1069,18 +1063,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "curl: one curl process per client",
     )
     p.add_argument("--timeout", type=float, default=300, help="bound on each client run, s")
-    p.add_argument("--dir", default=None, help="parent of the temporary directory (caches)")
-    p.add_argument(
-        "--data-dir",
-        default=None,
-        help="parent of the origin's data (default /dev/shm when it has room, else --dir)",
-    )
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
-    p.add_argument(
-        "--python",
-        default=default_python(),
-        help="interpreter that runs the proxy (default .venv/bin/python)",
-    )
+    add_run_options(p)
     args = p.parse_args(argv)
     defaults = {"shard_mib": 64.0, "big_mib": 256.0, "rounds": 2 if args.quick else 5}
     for k, v in defaults.items():

@@ -47,7 +47,7 @@ from bench.harness import (  # noqa: E402
     MIB,
     Procs,
     RssSampler,
-    default_python,
+    add_run_options,
     drop_caches_allowed,
     group_cpu_seconds,
     interruptible,
@@ -151,16 +151,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="proxy variants as in bench/proxy.py (e.g. default@/other/python); each is "
         "one more side of the cold comparison; the first is compared to the target",
     )
-    ap.add_argument(
-        "--no-drop-caches",
-        dest="drop_caches",
-        action="store_false",
-        help="before each cold read only sync; by default also drop the page cache (root)",
-    )
-    ap.add_argument("--dir", default=None, help="parent of the temporary directory (caches)")
-    ap.add_argument("--data-dir", default=None, help="parent of SeaweedFS's data (tmpfs)")
-    ap.add_argument("--python", default=default_python(), help="interpreter of the proxy")
-    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    add_run_options(ap, cold="cold read", data="SeaweedFS's data")
     args = ap.parse_args(argv)
     if args.rounds is None:
         args.rounds = 3 if args.quick else 9
