@@ -134,6 +134,8 @@ class ThrottledOrigin:
     from the N-th on (method, path, range, status, bytes sent, done)."""
 
     chunk = 128 * 1024
+    content_type = "application/x-tar"
+    if_match = True  # a stale If-Match is answered 412
 
     def __init__(self, root: Path, rate: float, delay: float) -> None:
         self.root = root.resolve()
@@ -190,32 +192,28 @@ class ThrottledOrigin:
         lines += [f"{k}: {v}" for k, v in headers.items()]
         conn.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
 
-    def respond(
-        self, conn: socket.socket, method: str, target: str, hdrs: dict[str, str], keep: bool
-    ) -> None:
-        url = urllib.parse.urlsplit(target)
-        path = urllib.parse.unquote(url.path)
-        if path == "/-/stats":
-            since = int(urllib.parse.parse_qs(url.query).get("since", ["0"])[0])
-            with self.lock:
-                body = json.dumps(
-                    {
-                        "body_bytes": self.body_bytes,
-                        "count": len(self.requests),
-                        "requests": [dict(r) for r in self.requests[since:]],
-                    }
-                ).encode()
-            h = {"Content-Type": "application/json", "Content-Length": str(len(body))}
-            self.send_head(conn, 200, h, keep)
-            conn.sendall(body)
-            return
+    def send_json(self, conn: socket.socket, doc: dict, keep: bool) -> None:
+        body = json.dumps(doc).encode()
+        h = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+        self.send_head(conn, 200, h, keep)
+        conn.sendall(body)
+
+    def record(self, method: str, path: str, hdrs: dict[str, str]) -> dict:
+        """A request's entry in ``requests``, updated as its answer goes out."""
         rec = {"method": method, "path": path, "range": hdrs.get("range"), "status": 0}
         rec |= {"sent": 0, "done": False}
         with self.lock:
             self.requests.append(rec)
-        t0 = time.monotonic()
+        return rec
+
+    def head_for(
+        self, method: str, path: str, hdrs: dict[str, str]
+    ) -> tuple[Path, int, dict[str, str], int, int]:
+        """The answer to ``method path`` with request headers ``hdrs``: (file, status,
+        headers, first byte, length of the body). ``If-Match`` is honoured when
+        ``if_match`` is set, ``Range`` (single, with ``If-Range``) always."""
         f = (self.root / path.lstrip("/")).resolve()
-        headers = {"Content-Type": "application/x-tar", "Accept-Ranges": "bytes"}
+        headers = {"Content-Type": self.content_type, "Accept-Ranges": "bytes"}
         first = last = 0
         if not f.is_relative_to(self.root) or not f.is_file():
             status = 404
@@ -228,7 +226,7 @@ class ThrottledOrigin:
             headers["ETag"] = etag
             headers["Last-Modified"] = email.utils.formatdate(st.st_mtime, usegmt=True)
             status, first, last = 200, 0, size - 1
-            im = hdrs.get("if-match")
+            im = hdrs.get("if-match") if self.if_match else None
             rng = hdrs.get("range")
             if im and im != "*" and etag not in [x.strip() for x in im.split(",")]:
                 status = 412
@@ -242,6 +240,26 @@ class ThrottledOrigin:
                     headers["Content-Range"] = f"bytes {first}-{last}/{size}"
         length = last - first + 1 if status in (200, 206) else 0
         headers["Content-Length"] = str(length)
+        return f, status, headers, first, length
+
+    def respond(
+        self, conn: socket.socket, method: str, target: str, hdrs: dict[str, str], keep: bool
+    ) -> None:
+        url = urllib.parse.urlsplit(target)
+        path = urllib.parse.unquote(url.path)
+        if path == "/-/stats":
+            since = int(urllib.parse.parse_qs(url.query).get("since", ["0"])[0])
+            with self.lock:
+                doc = {
+                    "body_bytes": self.body_bytes,
+                    "count": len(self.requests),
+                    "requests": [dict(r) for r in self.requests[since:]],
+                }
+            self.send_json(conn, doc, keep)
+            return
+        rec = self.record(method, path, hdrs)
+        t0 = time.monotonic()
+        f, status, headers, first, length = self.head_for(method, path, hdrs)
         time.sleep(self.delay)  # the origin's time to first byte
         self.send_head(conn, status, headers, keep)
         rec["status"] = status

@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import email.utils
 import io
 import json
 import os
@@ -101,7 +100,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.cold import ThrottledOrigin, parse_range  # noqa: E402
+from bench.cold import ThrottledOrigin  # noqa: E402
 from bench.harness import (  # noqa: E402
     INTERRUPTED,
     MIB,
@@ -335,6 +334,8 @@ class LimitedOrigin(ThrottledOrigin):
     together to ``total`` bytes/s. ``/-/stats`` adds the body bytes sent per path."""
 
     chunk = 64 * 1024
+    content_type = "application/octet-stream"
+    if_match = False
 
     def __init__(self, root: Path, rate: float, total: float, delay: float) -> None:
         super().__init__(root, rate, delay)
@@ -346,48 +347,17 @@ class LimitedOrigin(ThrottledOrigin):
         path = urllib.parse.unquote(url.path)
         if path == "/-/stats":
             with self.lock:
-                body = json.dumps(
-                    {
-                        "body_bytes": self.body_bytes,
-                        "count": len(self.requests),
-                        "open": sum(1 for r in self.requests if not r["done"]),
-                        "per_path": dict(self.per_path),
-                    }
-                ).encode()
-            h = {"Content-Type": "application/json", "Content-Length": str(len(body))}
-            self.send_head(conn, 200, h, keep)
-            conn.sendall(body)
+                doc = {
+                    "body_bytes": self.body_bytes,
+                    "count": len(self.requests),
+                    "open": sum(1 for r in self.requests if not r["done"]),
+                    "per_path": dict(self.per_path),
+                }
+            self.send_json(conn, doc, keep)
             return
-        rec = {"method": method, "path": path, "range": hdrs.get("range"), "status": 0}
-        rec |= {"sent": 0, "done": False}
-        with self.lock:
-            self.requests.append(rec)
-        f = (self.root / path.lstrip("/")).resolve()
-        headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
-        first = last = 0
+        rec = self.record(method, path, hdrs)
         try:
-            if not f.is_relative_to(self.root) or not f.is_file():
-                status = 404
-            elif method not in ("GET", "HEAD"):
-                status = 405
-            else:
-                st = f.stat()
-                size = st.st_size
-                etag = f'"{st.st_mtime_ns:x}-{size:x}"'
-                headers["ETag"] = etag
-                headers["Last-Modified"] = email.utils.formatdate(st.st_mtime, usegmt=True)
-                status, first, last = 200, 0, size - 1
-                rng = hdrs.get("range")
-                if rng and hdrs.get("if-range", etag) == etag:
-                    got = parse_range(rng, size)
-                    if got == "unsat":
-                        status = 416
-                        headers["Content-Range"] = f"bytes */{size}"
-                    elif isinstance(got, tuple):
-                        status, (first, last) = 206, got
-                        headers["Content-Range"] = f"bytes {first}-{last}/{size}"
-            length = last - first + 1 if status in (200, 206) else 0
-            headers["Content-Length"] = str(length)
+            f, status, headers, first, length = self.head_for(method, path, hdrs)
             time.sleep(self.delay)
             self.send_head(conn, status, headers, keep)
             rec["status"] = status
