@@ -3,7 +3,6 @@ evictions behind a hit ratio, one URL form for every tool, the version everywher
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -14,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support.proxy import wait_idle
+from support.proxy import call, wait_idle
 from support.proxy_helpers import Fault, Origin, ProxyProcess
 from support.wait import wait_until
 
@@ -38,22 +37,6 @@ def rig(tmp_path: Path):
     for origin, proxy in started:
         proxy.stop()
         origin.stop()
-
-
-def call(proxy: ProxyProcess, method: str, path: str, body: object | None = None):
-    """(status, body as JSON or text, headers)."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(proxy.url + path, data=data, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            raw, status, hdrs = r.read(), r.status, dict(r.headers)
-    except urllib.error.HTTPError as exc:
-        raw, status, hdrs = exc.read(), exc.code, dict(exc.headers)
-    text = raw.decode(errors="replace")
-    try:
-        return status, json.loads(text), hdrs
-    except ValueError:
-        return status, text, hdrs
 
 
 def get(proxy: ProxyProcess, path: str) -> tuple[int, str | None, bytes]:

@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support.proxy import wait_idle
+from support.proxy import call, wait_idle
 from support.proxy_helpers import Fault, Origin, ProxyProcess
 from support.wait import wait_until
 
@@ -21,32 +21,8 @@ def _files(n: int, size: int = SHARD) -> dict[str, bytes]:
     return {f"s{i:02d}.tar": bytes([i]) * size for i in range(n)}
 
 
-def _call(
-    proxy: ProxyProcess,
-    method: str,
-    path: str,
-    body: object | None = None,
-    headers: dict[str, str] | None = None,
-) -> tuple[int, dict | str, dict[str, str]]:
-    if body is None or isinstance(body, bytes):
-        data = body
-    else:
-        data = json.dumps(body).encode()
-    req = urllib.request.Request(proxy.url + path, data=data, method=method, headers=headers or {})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            raw, status, hdrs = r.read(), r.status, dict(r.headers)
-    except urllib.error.HTTPError as exc:
-        raw, status, hdrs = exc.read(), exc.code, dict(exc.headers)
-    text = raw.decode(errors="replace")
-    try:
-        return status, json.loads(text), hdrs
-    except ValueError:
-        return status, text, hdrs
-
-
 def _get(proxy: ProxyProcess, name: str, headers: dict[str, str] | None = None):
-    status, body, hdrs = _call(proxy, "GET", "/" + name, headers=headers)
+    status, body, hdrs = call(proxy, "GET", "/" + name, headers=headers)
     return status, hdrs.get("X-Cache"), body
 
 
@@ -80,7 +56,7 @@ def rig(tmp_path: Path):
 
 def test_api_register_list_get_delete(rig) -> None:
     origin, proxy = rig(_files(4))
-    status, body, _ = _call(
+    status, body, _ = call(
         proxy, "POST", "/-/plans", {"pattern": "/s{00..03}.tar", "name": "job/w0", "lookahead": 2}
     )
     assert status == 201, body
@@ -94,20 +70,20 @@ def test_api_register_list_get_delete(rig) -> None:
         f"{origin.url}/s02.tar",
         f"http://localhost:{proxy.port}/s03.tar",
     ]
-    status, other, _ = _call(proxy, "POST", "/-/plans", {"urls": forms, "lookahead": "1MiB"})
+    status, other, _ = call(proxy, "POST", "/-/plans", {"urls": forms, "lookahead": "1MiB"})
     assert status == 201, other
     assert other["lookahead"]["bytes"] == 1 << 20
-    status, listing, _ = _call(proxy, "GET", "/-/plans")
+    status, listing, _ = call(proxy, "GET", "/-/plans")
     assert status == 200
     assert {p["id"] for p in listing["plans"]} == {pid, other["id"]}
-    status, one, _ = _call(proxy, "GET", f"/-/plans/{pid}")
+    status, one, _ = call(proxy, "GET", f"/-/plans/{pid}")
     assert status == 200 and one["shards"] == 4 and one["position"] == 0
     for key in ("ready_ahead_bytes", "behind_bytes", "wait_seconds", "idle_seconds", "done"):
         assert key in one
-    status, gone, _ = _call(proxy, "DELETE", f"/-/plans/{pid}")
+    status, gone, _ = call(proxy, "DELETE", f"/-/plans/{pid}")
     assert status == 200 and gone == {"removed": True}
-    assert _call(proxy, "GET", f"/-/plans/{pid}")[0] == 404
-    assert _call(proxy, "DELETE", f"/-/plans/{pid}")[0] == 404
+    assert call(proxy, "GET", f"/-/plans/{pid}")[0] == 404
+    assert call(proxy, "DELETE", f"/-/plans/{pid}")[0] == 404
 
 
 def test_a_lookahead_size_without_a_unit_is_refused() -> None:
@@ -123,65 +99,63 @@ def test_a_lookahead_size_without_a_unit_is_refused() -> None:
 
 def test_api_rejects_bad_plans(rig) -> None:
     _, proxy = rig(_files(2), "--max-plans", "1", "--max-plan-shards", "3")
-    status, text, _ = _call(proxy, "POST", "/-/plans", b"{nope")
+    status, text, _ = call(proxy, "POST", "/-/plans", b"{nope")
     assert status == 400 and "JSON" in text
-    status, text, _ = _call(proxy, "POST", "/-/plans", {"name": "x"})
+    status, text, _ = call(proxy, "POST", "/-/plans", {"name": "x"})
     assert status == 400 and "urls" in text
-    status, text, _ = _call(proxy, "POST", "/-/plans", {"urls": ["http://elsewhere.example/x"]})
+    status, text, _ = call(proxy, "POST", "/-/plans", {"urls": ["http://elsewhere.example/x"]})
     assert status == 400 and "--allow-host" in text
-    status, text, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"], "lookahead": 0})
+    status, text, _ = call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"], "lookahead": 0})
     assert status == 400 and "lookahead" in text
-    status, text, _ = _call(proxy, "POST", "/-/plans", {"pattern": "/s{00..09}.tar"})
+    status, text, _ = call(proxy, "POST", "/-/plans", {"pattern": "/s{00..09}.tar"})
     assert status == 413 and "--max-plan-shards" in text
-    assert _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"]})[0] == 201
-    status, text, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s01.tar"]})
+    assert call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"]})[0] == 201
+    status, text, _ = call(proxy, "POST", "/-/plans", {"urls": ["/s01.tar"]})
     assert status == 400 and "--max-plans" in text
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_api_replace_ends_the_plans_of_the_same_name(rig, workers) -> None:
     _, proxy = rig(_files(4), "--max-plans", "2", "--workers", workers)
-    status, text, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"], "replace": True})
+    status, text, _ = call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"], "replace": True})
     assert status == 400 and "name" in text
     body = {"urls": ["/s00.tar"], "name": "job/worker-0", "replace": "yes"}
-    status, text, _ = _call(proxy, "POST", "/-/plans", body)
+    status, text, _ = call(proxy, "POST", "/-/plans", body)
     assert status == 400 and "replace" in text
     ids = {}
     for name in ("job/worker-0", "other"):
-        status, body, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"], "name": name})
+        status, body, _ = call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"], "name": name})
         assert status == 201, body
         ids[name] = body["id"]
     # at --max-plans a plain plan is refused; one that replaces takes its room
-    status, text, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s01.tar"], "name": "x"})
+    status, text, _ = call(proxy, "POST", "/-/plans", {"urls": ["/s01.tar"], "name": "x"})
     assert status == 400 and "--max-plans" in text
     new = {"pattern": "/s{01..03}.tar", "name": "job/worker-0", "replace": True}
-    status, body, _ = _call(proxy, "POST", "/-/plans", new)
+    status, body, _ = call(proxy, "POST", "/-/plans", new)
     assert status == 201, body
     # each call is a new connection: with two workers both answer, and agree
     for _ in range(4):
-        listing = _call(proxy, "GET", "/-/plans")[1]["plans"]
+        listing = call(proxy, "GET", "/-/plans")[1]["plans"]
         got = sorted((p["name"], p["id"], p["shards"]) for p in listing)
         assert got == [("job/worker-0", body["id"], 3), ("other", ids["other"], 1)], got
-    assert _call(proxy, "GET", f"/-/plans/{ids['job/worker-0']}")[0] == 404
+    assert call(proxy, "GET", f"/-/plans/{ids['job/worker-0']}")[0] == 404
 
 
 def test_api_needs_the_admin_token_when_set(rig) -> None:
     _, proxy = rig(_files(1), "--admin-token", "sekret")
-    assert _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"]})[0] == 401
+    assert call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"]})[0] == 401
     auth = {"Authorization": "Bearer sekret"}
-    status, body, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"]}, auth)
+    status, body, _ = call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"]}, auth)
     assert status == 201
-    assert _call(proxy, "GET", "/-/plans")[0] == 200  # reading needs no token
-    assert _call(proxy, "DELETE", f"/-/plans/{body['id']}")[0] == 401
-    assert _call(proxy, "DELETE", f"/-/plans/{body['id']}", headers=auth)[0] == 200
+    assert call(proxy, "GET", "/-/plans")[0] == 200  # reading needs no token
+    assert call(proxy, "DELETE", f"/-/plans/{body['id']}")[0] == 401
+    assert call(proxy, "DELETE", f"/-/plans/{body['id']}", headers=auth)[0] == 200
 
 
 def test_lookahead_downloads_the_next_shards_before_the_reader_asks(rig) -> None:
     files = _files(8)
     origin, proxy = rig(files, "--prefetch-concurrency", "2")
-    status, body, _ = _call(
-        proxy, "POST", "/-/plans", {"pattern": "/s{00..07}.tar", "lookahead": 3}
-    )
+    status, body, _ = call(proxy, "POST", "/-/plans", {"pattern": "/s{00..07}.tar", "lookahead": 3})
     assert status == 201
     pid = body["id"]
     # the first three are downloaded without any read
@@ -191,7 +165,7 @@ def test_lookahead_downloads_the_next_shards_before_the_reader_asks(rig) -> None
         timeout=15,
     )
     wait_until(
-        lambda: _call(proxy, "GET", f"/-/plans/{pid}")[1]["ready_ahead_shards"] == 3,
+        lambda: call(proxy, "GET", f"/-/plans/{pid}")[1]["ready_ahead_shards"] == 3,
         what="three shards ready",
         timeout=15,
     )
@@ -202,9 +176,9 @@ def test_lookahead_downloads_the_next_shards_before_the_reader_asks(rig) -> None
         assert isinstance(data, str) and len(data) == SHARD
     # a request's accounting ends just after its last byte went out
     wait_until(
-        lambda: _call(proxy, "GET", f"/-/plans/{pid}")[1]["behind_bytes"] == 8 * SHARD, timeout=15
+        lambda: call(proxy, "GET", f"/-/plans/{pid}")[1]["behind_bytes"] == 8 * SHARD, timeout=15
     )
-    st = _call(proxy, "GET", f"/-/plans/{pid}")[1]
+    st = call(proxy, "GET", f"/-/plans/{pid}")[1]
     assert st["position"] == 8 and st["done"]
     assert st["planned_hits"] >= 3
     assert sum(origin.gets.values()) == 8  # every shard once
@@ -218,7 +192,7 @@ def test_eviction_keeps_the_shard_a_plan_reads_next(rig) -> None:
     origin, proxy = rig(files, "--cache-size", f"{3 * SHARD}B", "--min-free", "0")
     for i in range(3):
         assert _get(proxy, f"s{i:02d}.tar")[0] == 200
-    status, body, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s03.tar", "/s00.tar"]})
+    status, body, _ = call(proxy, "POST", "/-/plans", {"urls": ["/s03.tar", "/s00.tar"]})
     assert status == 201
     assert _get(proxy, "s03.tar")[0] == 200
     wait_until(lambda: origin.gets["s03.tar"] == 1, timeout=15)
@@ -235,7 +209,7 @@ def test_a_shard_needed_later_than_the_cache_holds_is_streamed_uncached(rig) -> 
     assert _get(proxy, "s00.tar")[0] == 200
     assert _get(proxy, "s01.tar")[0] == 200
     # s02 is read now and never again; s00 and s01 are read right after it
-    status, body, _ = _call(
+    status, body, _ = call(
         proxy, "POST", "/-/plans", {"urls": ["/s02.tar", "/s00.tar", "/s01.tar"], "lookahead": 1}
     )
     assert status == 201
@@ -255,13 +229,13 @@ def test_cyclic_epochs_over_twice_the_cache_keep_part_of_it_with_plans(rig) -> N
     fetched = []
     for _epoch in range(3):
         before = sum(origin.gets.values())
-        status, body, _ = _call(proxy, "POST", "/-/plans", {"urls": order})
+        status, body, _ = call(proxy, "POST", "/-/plans", {"urls": order})
         assert status == 201
         for path in order:
             status, _, data = _get(proxy, path[1:], {"X-Shardcache-Plan": body["id"]})
             assert status == 200 and len(data) == SHARD
         wait_idle(proxy.port)  # downloads started ahead have ended
-        assert _call(proxy, "DELETE", f"/-/plans/{body['id']}")[0] == 200
+        assert call(proxy, "DELETE", f"/-/plans/{body['id']}")[0] == 200
         fetched.append(sum(origin.gets.values()) - before)
     # LRU fetches all 12 every epoch. The optimum keeps the 6 the cache holds: each
     # epoch streams its first half uncached and reads the second half from the cache;
@@ -274,9 +248,9 @@ def test_wait_seconds_measure_the_stall(rig) -> None:
     files = _files(2)
     faults = {"s00.tar": Fault(delay=0.05, chunk=32 << 10)}  # 8 chunks: ~0.4 s
     _, proxy = rig(files, faults=faults)
-    status, body, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s01.tar", "/s00.tar"]})
+    status, body, _ = call(proxy, "POST", "/-/plans", {"urls": ["/s01.tar", "/s00.tar"]})
     pid = body["id"]
-    _call(proxy, "DELETE", f"/-/plans/{pid}")
+    call(proxy, "DELETE", f"/-/plans/{pid}")
     before = _metric(proxy, "shardcache_client_wait_seconds_total")
     assert _get(proxy, "s00.tar")[0] == 200
     slow = _metric(proxy, "shardcache_client_wait_seconds_total") - before
@@ -291,16 +265,16 @@ def test_a_plan_reports_its_readers_wait_and_the_bytes_ready_ahead(rig) -> None:
     faults = {"s00.tar": Fault(delay=0.05, chunk=32 << 10)}  # 8 chunks: ~0.4 s
     _, proxy = rig(files, faults=faults)
     body = {"urls": ["/s00.tar", "/s01.tar", "/s02.tar"], "lookahead": 2}
-    status, answer, _ = _call(proxy, "POST", "/-/plans", body)
+    status, answer, _ = call(proxy, "POST", "/-/plans", body)
     assert status == 201, answer
     pid = answer["id"]
     # the reader asks at once: its first shard is still downloading, it waits for it
     assert _get(proxy, "s00.tar", {"X-Shardcache-Plan": pid})[0] == 200
-    st = _call(proxy, "GET", f"/-/plans/{pid}")[1]
+    st = call(proxy, "GET", f"/-/plans/{pid}")[1]
     assert st["wait_seconds"] >= 0.2 and st["position"] == 1, st
 
     def ready() -> dict:
-        return _call(proxy, "GET", f"/-/plans/{pid}")[1]
+        return call(proxy, "GET", f"/-/plans/{pid}")[1]
 
     wait_until(
         lambda: ready()["ready_ahead_shards"] == 2, what="two shards ready ahead", timeout=15
@@ -317,10 +291,10 @@ def test_a_plan_reports_its_readers_wait_and_the_bytes_ready_ahead(rig) -> None:
 
 def test_idle_plans_expire(rig) -> None:
     _, proxy = rig(_files(1), "--plan-ttl", "1")
-    status, body, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"]})
+    status, body, _ = call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"]})
     assert status == 201
     wait_until(
-        lambda: _call(proxy, "GET", f"/-/plans/{body['id']}")[0] == 404, what="expiry", timeout=15
+        lambda: call(proxy, "GET", f"/-/plans/{body['id']}")[0] == 404, what="expiry", timeout=15
     )
     assert "expired" in proxy.log_text()
 
@@ -328,31 +302,29 @@ def test_idle_plans_expire(rig) -> None:
 def test_plans_are_shared_by_the_workers_of_one_port(rig) -> None:
     files = _files(8)
     origin, proxy = rig(files, "--workers", "2", "--plan-ttl", "30")
-    status, body, _ = _call(
-        proxy, "POST", "/-/plans", {"pattern": "/s{00..07}.tar", "lookahead": 2}
-    )
+    status, body, _ = call(proxy, "POST", "/-/plans", {"pattern": "/s{00..07}.tar", "lookahead": 2})
     assert status == 201, body
     pid = body["id"]
     # each call is a new connection: the kernel spreads them over both workers
     for _ in range(6):
-        assert _call(proxy, "GET", f"/-/plans/{pid}")[0] == 200
+        assert call(proxy, "GET", f"/-/plans/{pid}")[0] == 200
     # named by its header (as ShardDataset sends it), a plan registered through one
     # worker counts at the other at once: that worker merges before matching
     for i in range(8):
         status, _, data = _get(proxy, f"s{i:02d}.tar", {"X-Shardcache-Plan": pid})
         assert status == 200 and len(data) == SHARD
     wait_until(
-        lambda: _call(proxy, "GET", f"/-/plans/{pid}")[1]["requests"] == 8,
+        lambda: call(proxy, "GET", f"/-/plans/{pid}")[1]["requests"] == 8,
         what="every worker's requests counted",
         timeout=15,
     )
-    st = _call(proxy, "GET", f"/-/plans/{pid}")[1]
+    st = call(proxy, "GET", f"/-/plans/{pid}")[1]
     assert st["position"] == 8 and st["done"]
     assert all(origin.gets[f"s{i:02d}.tar"] == 1 for i in range(8)), origin.gets
-    assert _call(proxy, "DELETE", f"/-/plans/{pid}")[0] == 200
+    assert call(proxy, "DELETE", f"/-/plans/{pid}")[0] == 200
     for _ in range(4):
-        assert _call(proxy, "GET", f"/-/plans/{pid}")[0] == 404
-    assert _call(proxy, "GET", "/-/plans")[1] == {"plans": []}
+        assert call(proxy, "GET", f"/-/plans/{pid}")[0] == 404
+    assert call(proxy, "GET", "/-/plans")[1] == {"plans": []}
 
 
 def test_store_merges_plan_progress_of_several_processes(tmp_path: Path) -> None:
@@ -408,16 +380,16 @@ def test_store_replaces_and_counts_plans_in_one_transaction(tmp_path: Path) -> N
 
 def test_api_replace_of_no_plan_at_max_plans_is_refused(rig) -> None:
     _, proxy = rig(_files(2), "--max-plans", "1")
-    assert _call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"], "name": "a"})[0] == 201
+    assert call(proxy, "POST", "/-/plans", {"urls": ["/s00.tar"], "name": "a"})[0] == 201
     body = {"urls": ["/s01.tar"], "name": "b", "replace": True}
-    status, text, _ = _call(proxy, "POST", "/-/plans", body)
+    status, text, _ = call(proxy, "POST", "/-/plans", body)
     assert status == 400 and "--max-plans" in text
 
 
 def test_a_failing_planned_shard_is_retried_with_backoff_not_hammered(rig) -> None:
     files = _files(3)
     origin, proxy = rig(files, faults={"s01.tar": Fault(status=500)})
-    status, body, _ = _call(proxy, "POST", "/-/plans", {"pattern": "/s{00..02}.tar"})
+    status, body, _ = call(proxy, "POST", "/-/plans", {"pattern": "/s{00..02}.tar"})
     assert status == 201
     wait_until(lambda: origin.gets["s02.tar"] == 1, what="the lookahead", timeout=15)
     time.sleep(2.0)
@@ -432,11 +404,11 @@ def test_a_lookahead_download_cut_by_the_origin_is_never_committed(rig) -> None:
     # every GET of s01 is cut half-way: no resume can complete it
     faults = {"s01.tar": Fault(truncate_at=SHARD // 2)}
     origin, proxy = rig(files, "--retries", "1", faults=faults)
-    status, body, _ = _call(proxy, "POST", "/-/plans", {"pattern": "/s{00..01}.tar"})
+    status, body, _ = call(proxy, "POST", "/-/plans", {"pattern": "/s{00..01}.tar"})
     assert status == 201
     wait_until(lambda: origin.gets["s01.tar"] >= 2, what="the lookahead and its resume", timeout=15)
     wait_idle(proxy.port)  # the lookahead's download has given up
-    st = _call(proxy, "GET", f"/-/plans/{body['id']}")[1]
+    st = call(proxy, "GET", f"/-/plans/{body['id']}")[1]
     assert st["ready_ahead_shards"] <= 1  # s00 at most: s01 never became an entry
     # the reader's own request fails visibly: the connection breaks, never a short body
     req = urllib.request.Request(proxy.url + "/s01.tar")
@@ -452,10 +424,10 @@ def test_plan_downloads_go_before_plain_prefetch(rig) -> None:
     files = _files(6)
     slow = {f"s{i:02d}.tar": Fault(delay=0.02, chunk=32 << 10) for i in range(6)}  # ~0.16 s
     origin, proxy = rig(files, "--prefetch-concurrency", "1", faults=slow)
-    status, _, _ = _call(proxy, "POST", "/-/prefetch", {"pattern": "/s{00..03}.tar"})
+    status, _, _ = call(proxy, "POST", "/-/prefetch", {"pattern": "/s{00..03}.tar"})
     assert status == 202
     wait_until(lambda: sum(origin.gets.values()) >= 1, what="the first prefetch", timeout=15)
-    status, _, _ = _call(proxy, "POST", "/-/plans", {"urls": ["/s05.tar", "/s04.tar"]})
+    status, _, _ = call(proxy, "POST", "/-/plans", {"urls": ["/s05.tar", "/s04.tar"]})
     assert status == 201
     wait_until(lambda: sum(origin.gets.values()) == 6, timeout=30, what="all downloads")
     order = [name for name, _, _ in origin.ranges]
@@ -472,12 +444,12 @@ def test_plans_over_the_same_shards_share_their_downloads(rig) -> None:
     ids = []
     for w in range(2):  # two DataLoader workers, or two jobs, reading the same shards
         body = {"pattern": "/s{00..05}.tar", "lookahead": 4, "name": f"w{w}"}
-        status, answer, _ = _call(proxy, "POST", "/-/plans", body)
+        status, answer, _ = call(proxy, "POST", "/-/plans", body)
         assert status == 201, answer
         ids.append(answer["id"])
 
     def ready(pid: str) -> int:
-        return _call(proxy, "GET", f"/-/plans/{pid}")[1]["ready_ahead_shards"]
+        return call(proxy, "GET", f"/-/plans/{pid}")[1]["ready_ahead_shards"]
 
     wait_until(lambda: all(ready(pid) >= 4 for pid in ids), timeout=30, what="both lookaheads")
     for i in range(6):
@@ -495,7 +467,7 @@ def test_a_demand_miss_never_waits_for_plan_downloads(rig) -> None:
     faults = {f"s{i:02d}.tar": Fault(gate=gate) for i in range(4)}
     origin, proxy = rig(files, "--prefetch-concurrency", "1", faults=faults)
     try:
-        assert _call(proxy, "POST", "/-/plans", {"pattern": "/s{00..03}.tar"})[0] == 201
+        assert call(proxy, "POST", "/-/plans", {"pattern": "/s{00..03}.tar"})[0] == 201
         wait_until(
             lambda: origin.gets["s00.tar"] == 1, what="the plan's first download", timeout=15
         )
@@ -515,13 +487,13 @@ def test_a_lookahead_in_bytes_bounds_the_shards_downloaded_ahead(rig) -> None:
     origin, proxy = rig(files, "--prefetch-concurrency", "1")
     look = f"{int(2.5 * SHARD)}"  # bytes, as a size string: two and a half shards
     body = {"pattern": "/s{00..07}.tar", "lookahead": look + "B"}
-    status, answer, _ = _call(proxy, "POST", "/-/plans", body)
+    status, answer, _ = call(proxy, "POST", "/-/plans", body)
     assert status == 201, answer
     assert answer["lookahead"] == {"shards": None, "bytes": int(2.5 * SHARD)}
     wait_until(lambda: sum(origin.gets.values()) >= 2, what="the lookahead", timeout=15)
     time.sleep(1.0)  # several scheduler passes: nothing more is fetched
     assert sum(origin.gets.values()) == 2, dict(origin.gets)
-    st = _call(proxy, "GET", f"/-/plans/{answer['id']}")[1]
+    st = call(proxy, "GET", f"/-/plans/{answer['id']}")[1]
     assert st["ready_ahead_shards"] == 2 and st["ready_ahead_bytes"] == 2 * SHARD, st
 
 
@@ -529,9 +501,7 @@ def test_background_downloads_stay_within_prefetch_concurrency(rig) -> None:
     files = _files(6)
     slow = {f"s{i:02d}.tar": Fault(delay=0.05, chunk=32 << 10) for i in range(6)}  # ~0.4 s
     origin, proxy = rig(files, "--prefetch-concurrency", "2", faults=slow)
-    status, body, _ = _call(
-        proxy, "POST", "/-/plans", {"pattern": "/s{00..05}.tar", "lookahead": 6}
-    )
+    status, body, _ = call(proxy, "POST", "/-/plans", {"pattern": "/s{00..05}.tar", "lookahead": 6})
     assert status == 201
     most = 0
     deadline = time.monotonic() + 30
@@ -549,7 +519,7 @@ def test_shutdown_does_not_wait_for_downloads_nobody_reads(rig) -> None:
     gate = threading.Event()  # never opened: the origin sends headers, then nothing
     faults = {f"s{i:02d}.tar": Fault(gate=gate) for i in range(4)}
     origin, proxy = rig(files, faults=faults)
-    assert _call(proxy, "POST", "/-/plans", {"pattern": "/s{00..03}.tar"})[0] == 201
+    assert call(proxy, "POST", "/-/plans", {"pattern": "/s{00..03}.tar"})[0] == 201
     wait_until(lambda: sum(origin.gets.values()) >= 2, what="the lookahead", timeout=15)
     began = time.monotonic()
     assert proxy.stop() == 0
@@ -688,9 +658,7 @@ def _read_slow_shards_through_a_plan(rig, *flags: str) -> tuple[Origin, dict[str
         "4",
         faults=slow,
     )
-    status, body, _ = _call(
-        proxy, "POST", "/-/plans", {"pattern": "/s{00..05}.tar", "lookahead": 4}
-    )
+    status, body, _ = call(proxy, "POST", "/-/plans", {"pattern": "/s{00..05}.tar", "lookahead": 4})
     assert status == 201, body
     pid = body["id"]
     for i in range(6):  # the reader, at once
@@ -727,7 +695,7 @@ def test_an_origin_without_ranges_serves_a_plans_next_shard_in_one_stream(rig, f
     files = {f"s{i:02d}.tar": bytes([i]) * (4 * part) for i in range(3)}
     faults = {name: fault for name in files}
     origin, proxy = rig(files, "--part-size", f"{part}B", "--parallel", "4", faults=faults)
-    status, body, _ = _call(proxy, "POST", "/-/plans", {"pattern": "/s{00..02}.tar"})
+    status, body, _ = call(proxy, "POST", "/-/plans", {"pattern": "/s{00..02}.tar"})
     assert status == 201, body
     for name in sorted(files):
         status, _, data = _get(proxy, name, {"X-Shardcache-Plan": body["id"]})

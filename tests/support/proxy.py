@@ -13,6 +13,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +96,32 @@ class ProxyProcess:
             rc = self.proc.wait(10)
         self._log.close()
         return rc
+
+
+def call(
+    proxy: ProxyProcess,
+    method: str,
+    path: str,
+    body: object | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any, dict[str, str]]:
+    """``method path`` on ``proxy``: (status, the body as JSON, or as text when it is not
+    JSON, headers). ``body`` goes as it is when bytes, as JSON otherwise."""
+    if body is None or isinstance(body, bytes):
+        data = body
+    else:
+        data = json.dumps(body).encode()
+    req = urllib.request.Request(proxy.url + path, data=data, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            raw, status, hdrs = r.read(), r.status, dict(r.headers)
+    except urllib.error.HTTPError as exc:
+        raw, status, hdrs = exc.read(), exc.code, dict(exc.headers)
+    text = raw.decode(errors="replace")
+    try:
+        return status, json.loads(text), hdrs
+    except ValueError:
+        return status, text, hdrs
 
 
 def raw_request(
