@@ -11,6 +11,7 @@ import pytest
 from badorigin import BadOrigin, Version
 from faultclient import fetch, settle
 from proxy_helpers import ProxyProcess
+from support.s3 import front_client
 
 from proxy.config import ConfigError, parse_settings
 from proxy.decide import Facts, Step, decide
@@ -143,9 +144,7 @@ def test_s3_front_signatures_are_not_forwarded_credentials(origin, tmp_path):
     """With --forward-credentials, an S3 client's SigV4 Authorization (signed for the
     proxy's host) is no credential of the upstream's: the object is cached and shared,
     and the upstream never sees the signature."""
-    boto3 = pytest.importorskip("boto3")
-    from botocore.config import Config
-
+    pytest.importorskip("boto3")
     data = os.urandom(64 * KiB)
     origin.add("/obj.tar", versions=[Version(data, etag='"o"', last_modified=LM)])
     p = ProxyProcess(
@@ -157,14 +156,7 @@ def test_s3_front_signatures_are_not_forwarded_credentials(origin, tmp_path):
         *COMMON,
     ).start()
     try:
-        s3 = boto3.client(
-            "s3",
-            endpoint_url=p.url,
-            aws_access_key_id="x",
-            aws_secret_access_key="y",
-            region_name="us-east-1",
-            config=Config(s3={"addressing_style": "path"}),
-        )
+        s3 = front_client(p.url)
         for _ in range(2):  # the miss, then the hit
             got = s3.get_object(Bucket="data", Key="obj.tar")
             assert got["Body"].read() == data

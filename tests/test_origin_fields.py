@@ -22,6 +22,7 @@ import pytest
 from support.badorigin import BadOrigin, Version
 from support.faultclient import TRANSPORTS, fetch, settle
 from support.proxy_helpers import ProxyProcess
+from support.s3 import front_client
 from support.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
@@ -208,9 +209,7 @@ def test_hop_by_hop_and_cookies_are_not_replayed(origin, tmp_path):
 def test_s3_front_reports_content_encoding(origin, tmp_path):
     """GetObject and HeadObject through the S3 front report the object's ContentEncoding,
     ContentLanguage, ContentDisposition and user metadata, as S3 does."""
-    boto3 = pytest.importorskip("boto3")
-    from botocore.config import Config
-
+    pytest.importorskip("boto3")
     _, encoded = gz_object(64 * KiB)
     origin.add(
         "/obj.tar.gz",
@@ -220,14 +219,7 @@ def test_s3_front_reports_content_encoding(origin, tmp_path):
     )
     p = ProxyProcess(tmp_path / "cache", "--upstream", f"data={origin.url}", *COMMON).start()
     try:
-        s3 = boto3.client(
-            "s3",
-            endpoint_url=p.url,
-            aws_access_key_id="x",
-            aws_secret_access_key="y",
-            region_name="us-east-1",
-            config=Config(s3={"addressing_style": "path"}),
-        )
+        s3 = front_client(p.url)
         for _ in range(2):  # the miss, then the hit
             got = s3.get_object(Bucket="data", Key="obj.tar.gz")
             assert got["Body"].read() == encoded

@@ -27,6 +27,7 @@ from support.s3 import (  # noqa: E402
     BUCKET,
     MEDIUM,
     OBJECTS,
+    front_client,
     start_s3_proxy,
     start_signed_front,
 )
@@ -173,21 +174,11 @@ def test_webdataset_reads_s3_shards_through_proxied(proxy, boto):
 
 
 def test_signed_front_with_the_configured_key_pair(seaweed, tmp_path):
-    import boto3
-    from botocore.config import Config
-
     p = start_signed_front(seaweed, tmp_path)
     try:
 
         def client(secret: str):
-            return boto3.client(
-                "s3",
-                endpoint_url=p.url,
-                region_name="us-east-1",
-                aws_access_key_id="front-key",
-                aws_secret_access_key=secret,
-                config=Config(s3={"addressing_style": "path"}),
-            )
+            return front_client(p.url, "front-key", secret)
 
         got = client("front-secret").get_object(Bucket="shards", Key="small.tar")["Body"].read()
         assert got == OBJECTS["shards/small.tar"]
@@ -236,17 +227,7 @@ def test_s3_object_stored_with_content_encoding_keeps_it(seaweed, boto, tmp_path
             assert headers.get("content-language") == "de", headers
             assert headers.get("x-amz-meta-color") == "blue", headers
             _get(f"{p.url}/-/stats")
-        import boto3
-        from botocore.config import Config
-
-        front = boto3.client(
-            "s3",
-            endpoint_url=p.url,
-            aws_access_key_id="x",
-            aws_secret_access_key="y",
-            region_name="us-east-1",
-            config=Config(s3={"addressing_style": "path"}),
-        )
+        front = front_client(p.url)
         got = front.get_object(Bucket="shards", Key=name)
         assert got["Body"].read() == encoded
         assert got["ContentEncoding"] == "gzip" and got["Metadata"] == {"color": "blue"}

@@ -11,6 +11,22 @@ from .proxy import ProxyProcess, aws_env
 MEDIUM = OBJECTS["shards/medium.tar"]
 
 
+def front_client(url: str, access_key: str = "x", secret_key: str = "y"):
+    """A boto3 client of the S3 front at ``url``: path style, us-east-1, signing with
+    ``access_key``/``secret_key`` (a front without a key pair of its own takes any)."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3",
+        endpoint_url=url,
+        aws_access_key_id=access_key,
+        aws_secret_access_key=secret_key,
+        region_name="us-east-1",
+        config=Config(s3={"addressing_style": "path"}),
+    )
+
+
 def proxy_env(access_key: str, secret_key: str, tmp: Path) -> dict[str, str]:
     return aws_env(access_key, secret_key, tmp)
 
