@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from support.data import sha
+from support.proxy import Pinned, pin_connections
 from support.proxy_helpers import Fault, aws_env
 from support.tls import Certs
 from support.wait import wait_until
@@ -318,40 +319,14 @@ def test_a_key_that_does_not_match_the_certificate_exits_2_naming_tls_cert(
 # --workers 2
 
 
-class Pinned:
-    """A keep-alive TLS connection, and so a conversation with the worker that accepted it."""
-
-    def __init__(self, certs: Certs, port: int) -> None:
-        self.conn = http.client.HTTPSConnection(
-            "localhost", port, context=certs.client_context(), timeout=30
-        )
-        self.conn.auto_open = 0
-        self.conn.connect()
-        self.pid = json.loads(self.get("/-/stats")[2])["pid"]
-
-    def get(self, path: str, headers: dict[str, str] | None = None):
-        self.conn.request("GET", path, headers=headers or {})
-        r = self.conn.getresponse()
-        body = r.read()
-        assert not r.will_close, f"{path}: the server closed a keep-alive connection"
-        return r.status, r.headers, body
-
-    def close(self) -> None:
-        self.conn.close()
-
-
 def pin_workers(certs: Certs, port: int, per_worker: int) -> dict[int, list[Pinned]]:
-    pinned: dict[int, list[Pinned]] = {}
-    for _ in range(400):
-        c = Pinned(certs, port)
-        conns = pinned.setdefault(c.pid, [])
-        if len(conns) < per_worker:
-            conns.append(c)
-        else:
-            c.close()
-        if len(pinned) >= 2 and all(len(v) >= per_worker for v in pinned.values()):
-            return pinned
-    raise AssertionError(f"could not reach both workers: {[len(v) for v in pinned.values()]}")
+    """``per_worker`` keep-alive TLS connections to each of the two workers."""
+    return pin_connections(
+        lambda: http.client.HTTPSConnection(
+            "localhost", port, context=certs.client_context(), timeout=30
+        ),
+        per_worker,
+    )
 
 
 def test_two_workers_over_https_forward_misses_and_serve_hits(certs, origin, proxies):

@@ -20,6 +20,7 @@ from collections import Counter
 
 import pytest
 from support.data import sha
+from support.proxy import Pinned, pin_connections
 from support.proxy_helpers import Fault, ProxyProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -127,49 +128,14 @@ def fresh_stats(port: int) -> dict:
     return json.loads(body)
 
 
-class Pinned:
-    """A keep-alive connection, and so a conversation with the one worker that accepted it.
-
-    It never reconnects on its own (``auto_open = 0``): a connection the server closed is
-    an error here, not a silent move to another worker."""
-
-    def __init__(self, port: int, timeout: float = 20) -> None:
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-        self.pid = self.stats()["pid"]
-        self.conn.auto_open = 0
-
-    def get(self, path: str, headers: dict[str, str] | None = None):
-        self.conn.request("GET", path, headers=headers or {})
-        r = self.conn.getresponse()
-        body = r.read()
-        assert not r.will_close, f"{path}: the server closed a keep-alive connection"
-        return r.status, r.headers, body
-
-    def stats(self) -> dict:
-        status, _, body = self.get("/-/stats")
-        assert status == 200, body
-        return json.loads(body)
-
-    def close(self) -> None:
-        self.conn.close()
-
-
 def pin_workers(port: int, per_worker: int, workers: int = 2, tries: int = 400):
     """``per_worker`` open connections to each of ``workers`` workers: {pid: [Pinned]}."""
-    pinned: dict[int, list[Pinned]] = {}
-    spare = 0
-    for _ in range(tries):
-        c = Pinned(port)
-        conns = pinned.setdefault(c.pid, [])
-        if len(conns) < per_worker:
-            conns.append(c)
-        else:
-            c.close()
-            spare += 1
-        if len(pinned) >= workers and all(len(v) >= per_worker for v in pinned.values()):
-            return pinned
-    counts = {pid: len(v) for pid, v in pinned.items()}
-    raise AssertionError(f"{tries} connections reached {counts} (+{spare} spare)")
+    return pin_connections(
+        lambda: http.client.HTTPConnection("127.0.0.1", port, timeout=20),
+        per_worker,
+        workers,
+        tries,
+    )
 
 
 def close_all(pinned: dict[int, list[Pinned]]) -> None:

@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,58 @@ def call(
         return status, json.loads(text), hdrs
     except ValueError:
         return status, text, hdrs
+
+
+class Pinned:
+    """A keep-alive connection, and so a conversation with the one worker that accepted it.
+
+    It never reconnects on its own (``auto_open = 0``): a connection the server closed is
+    an error here, not a silent move to another worker."""
+
+    def __init__(self, conn: http.client.HTTPConnection) -> None:
+        self.conn = conn
+        self.conn.connect()
+        self.conn.auto_open = 0
+        self.pid = self.stats()["pid"]
+
+    def get(self, path: str, headers: dict[str, str] | None = None):
+        self.conn.request("GET", path, headers=headers or {})
+        r = self.conn.getresponse()
+        body = r.read()
+        assert not r.will_close, f"{path}: the server closed a keep-alive connection"
+        return r.status, r.headers, body
+
+    def stats(self) -> dict:
+        status, _, body = self.get("/-/stats")
+        assert status == 200, body
+        return json.loads(body)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def pin_connections(
+    connect: Callable[[], http.client.HTTPConnection],
+    per_worker: int,
+    workers: int = 2,
+    tries: int = 400,
+) -> dict[int, list[Pinned]]:
+    """``per_worker`` open connections (each made by ``connect``) to each of ``workers``
+    workers: {pid: [Pinned]}; the connections beyond that are closed."""
+    pinned: dict[int, list[Pinned]] = {}
+    spare = 0
+    for _ in range(tries):
+        c = Pinned(connect())
+        conns = pinned.setdefault(c.pid, [])
+        if len(conns) < per_worker:
+            conns.append(c)
+        else:
+            c.close()
+            spare += 1
+        if len(pinned) >= workers and all(len(v) >= per_worker for v in pinned.values()):
+            return pinned
+    counts = {pid: len(v) for pid, v in pinned.items()}
+    raise AssertionError(f"{tries} connections reached {counts} (+{spare} spare)")
 
 
 def raw_request(
