@@ -18,7 +18,7 @@ import sys
 import pytest
 from badorigin import BadOrigin, Version
 from faultclient import fetch
-from huborigin import COMMIT, Hub
+from huborigin import COMMIT, Hub, hf_env
 from proxy_helpers import ProxyProcess
 
 from proxy.passthrough import is_uncached, upstream_path
@@ -51,14 +51,7 @@ def sha(data: bytes) -> str:
 
 
 def hf(p: ProxyProcess, code: str, *args: str) -> subprocess.CompletedProcess:
-    env = dict(
-        os.environ,
-        HF_ENDPOINT=p.url,
-        HF_HUB_DISABLE_XET="1",
-        HF_HUB_DISABLE_TELEMETRY="1",
-        HF_HUB_OFFLINE="0",
-    )
-    env.pop("HF_TOKEN", None)
+    env = hf_env(p.url)
     return subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=90
     )

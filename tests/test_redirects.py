@@ -24,7 +24,7 @@ import time
 import pytest
 from support.data import sha
 from support.faultclient import TRANSPORTS, fetch, settle
-from support.huborigin import COMMIT, Hub
+from support.huborigin import COMMIT, Hub, hf_env
 from support.proxy_helpers import ProxyProcess
 
 from proxy.policy import DEFAULT_REDIRECT_HOSTS
@@ -236,14 +236,7 @@ def test_hf_hub_download_through_the_proxy_as_hf_endpoint(hub, tmp_path, monkeyp
         )
         import sys
 
-        env = dict(
-            os.environ,
-            HF_ENDPOINT=p.url,
-            HF_HUB_DISABLE_XET="1",
-            HF_HUB_DISABLE_TELEMETRY="1",
-            HF_HUB_OFFLINE="0",
-        )
-        env.pop("HF_TOKEN", None)
+        env = hf_env(p.url)
         for n in range(2):
             out = subprocess.run(
                 [sys.executable, "-c", code, str(tmp_path / f"hf-cache-{n}")],

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import os
 import re
 import threading
 import time
@@ -28,6 +29,21 @@ from aiohttp import web
 SECRET = b"cdn-signing-key"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 LM = "Mon, 01 Jan 2024 00:00:00 GMT"
+
+
+def hf_env(endpoint: str) -> dict[str, str]:
+    """This process's environment for a huggingface_hub client that reads the Hub at
+    ``endpoint`` (``HF_ENDPOINT``): plain HTTP downloads (no Xet), no telemetry, online,
+    and no token of the machine's."""
+    env = dict(
+        os.environ,
+        HF_ENDPOINT=endpoint,
+        HF_HUB_DISABLE_XET="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HUB_OFFLINE="0",
+    )
+    env.pop("HF_TOKEN", None)
+    return env
 
 
 def sign(blob: str, expires: int) -> str:
