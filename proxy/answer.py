@@ -38,7 +38,7 @@ from proxy.policy import (
     parse_range,
     range_applies,
 )
-from proxy.sendfile import send_file
+from proxy.sendfile import send_file, send_now, send_rest
 from proxy.upstream import ObjectMeta
 from proxy.upstream.resume import can_resume
 from shardcache.compat import delimit_by_close
@@ -437,6 +437,13 @@ async def _send_file(
     if request.app[RUNTIME].sendfile:
         try:
             sent = await send_file(transport, fobj, offset, count) if threaded else None
+            if sent is None and (now := send_now(transport, fobj, offset, count)) is not None:
+                # on the loop, at once: a hit usually goes out whole in this one call
+                sent, ended = now
+                if sent < count and not ended:
+                    sent += await send_rest(
+                        transport, fobj, offset + sent, count - sent, pause=True
+                    )
             if sent is None:
                 sent = await loop.sendfile(transport, fobj, offset, count, fallback=False)
             request[T_BYTES] += sent

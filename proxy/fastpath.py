@@ -77,6 +77,7 @@ from proxy.hits import MAX_KEPT
 from proxy.observe import log_access
 from proxy.passthrough import mapped
 from proxy.plans import PLAN_HEADER
+from proxy.sendfile import send_now, send_rest
 from proxy.shard import entry_state, no_cache
 from shardcache.compat import (
     PROBES,
@@ -484,24 +485,61 @@ class FastConnection(asyncio.Protocol):
             self._account(verb, raw, 0, start, "")
             self.idle_since = self.loop.time()
             return True
+        hits.metrics.observe_ttfb(XCache.HIT, time.monotonic() - start)
+        try:
+            now = send_now(transport, body.fobj, 0, size)
+        except ConnectionError:
+            body.close()
+            self._account(verb, raw, 0, start, " client-gone")
+            self.gone = True
+            abort_transport(transport)
+            return True
+        sent = 0
+        if now is not None:
+            sent, ended = now
+            if sent == size or ended:
+                body.close()
+                note = ""
+                if ended:  # the entry file ends early: never a clean short body
+                    log.warning("aborting %s %s: entry file ended at byte %d", verb, raw, sent)
+                    abort_transport(transport)
+                    self.gone = True
+                    note = " aborted"
+                self._account(verb, raw, sent, start, note)
+                self.idle_since = self.loop.time()
+                return True
         self.busy = True
-        task = self.loop.create_task(self._send(body, verb, raw, size, start))
+        task = self.loop.create_task(
+            self._send(body, verb, raw, size, start, sent, now is not None)
+        )
         hits.tasks.add(task)
         hits.runtime.handlers.add(task)  # cut off if still sending when the grace period ends
         task.add_done_callback(self._sent)
         return True
 
-    async def _send(self, body: _EntryBody, verb: str, raw: str, size: int, start: float) -> None:
-        """Send the entry file's bytes with sendfile; a file that ends early (or a cut at
-        shutdown) aborts the connection."""
+    async def _send(
+        self,
+        body: _EntryBody,
+        verb: str,
+        raw: str,
+        size: int,
+        start: float,
+        sent: int,
+        direct: bool,
+    ) -> None:
+        """Send the entry file's bytes from ``sent`` on with sendfile (``direct``: as the
+        socket takes them, :func:`proxy.sendfile.send_rest`; else asyncio's); a file
+        that ends early (or a cut at shutdown) aborts the connection."""
         transport = self.transport
         assert transport is not None
-        nbytes, note = 0, ""
+        nbytes, note = sent, ""
         try:
-            self.hits.metrics.observe_ttfb(XCache.HIT, time.monotonic() - start)
             cut = None
             try:
-                nbytes = await self.loop.sendfile(transport, body.fobj, 0, size, fallback=False)
+                if direct:
+                    nbytes = sent + await send_rest(transport, body.fobj, sent, size - sent)
+                else:
+                    nbytes = await self.loop.sendfile(transport, body.fobj, 0, size, fallback=False)
             except RuntimeError as exc:
                 if transport.is_closing():
                     note = " client-gone"

@@ -27,7 +27,7 @@ from shardcache.compat import (
     wait_empty,
 )
 
-__all__ = ["send_file"]
+__all__ = ["send_file", "send_now", "send_rest"]
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -113,3 +113,74 @@ async def send_file(transport: Any, fobj: Any, offset: int, count: int) -> int |
         reset_empty_waiter(transport)
         if reading and not transport.is_closing():
             transport.resume_reading()
+
+
+def send_now(transport: Any, fobj: Any, offset: int, count: int) -> tuple[int, bool] | None:
+    """Send on the event loop, at once, what ``transport``'s socket takes of ``count``
+    bytes of ``fobj`` from ``offset``: (bytes sent, whether the file ended first); None
+    when this transport cannot be sent to this way (TLS, bytes waiting in its buffer, an
+    asyncio without the hooks), nothing sent. A hit of a few MiB usually goes out whole
+    in this one call, without the task, futures and writer registrations of asyncio's
+    ``loop.sendfile``; :func:`send_rest` sends what is left. ``ConnectionError`` when the
+    client is gone. The caller writes nothing to the transport until the bytes are out."""
+    if (
+        transport.is_closing()
+        or transport.get_write_buffer_size()
+        or transport.get_extra_info("sslcontext") is not None
+        or not threaded_sendfile_hooks(asyncio.get_running_loop(), transport)
+    ):
+        return None
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return None
+    try:
+        return _send_some(sock.fileno(), fobj.fileno(), offset, count)
+    except OSError as exc:
+        if isinstance(exc, ConnectionError):
+            raise
+        raise ConnectionResetError(f"sendfile failed: {exc}") from exc
+
+
+async def send_rest(
+    transport: Any, fobj: Any, offset: int, count: int, *, pause: bool = False
+) -> int:
+    """After :func:`send_now` sent part: send the other ``count`` bytes on the event loop
+    as the socket takes them; the bytes sent (fewer only when the file ended early).
+    ``ConnectionError`` when the client is gone. ``pause``: the transport's reading is
+    paused meanwhile, as asyncio's ``sendfile`` does (for a protocol that could write
+    when bytes arrive; the fast path holds what arrives itself)."""
+    loop = asyncio.get_running_loop()
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        raise ConnectionResetError("client gone")
+    sockfd, fd = sock.fileno(), fobj.fileno()
+    reading = pause and transport.is_reading()
+    if reading:
+        transport.pause_reading()
+    try:
+        return await _send_rest(loop, transport, sockfd, fd, offset, count)
+    finally:
+        if reading and not transport.is_closing():
+            transport.resume_reading()
+
+
+async def _send_rest(
+    loop: Any, transport: Any, sockfd: int, fd: int, offset: int, count: int
+) -> int:
+    sent = 0
+    while sent < count:
+        if transport.is_closing():
+            raise ConnectionResetError("client gone")
+        await _writable(loop, sockfd)
+        if transport.is_closing():
+            raise ConnectionResetError("client gone")
+        try:
+            n, ended = _send_some(sockfd, fd, offset + sent, count - sent)
+        except OSError as exc:
+            if isinstance(exc, ConnectionError):
+                raise
+            raise ConnectionResetError(f"sendfile failed: {exc}") from exc
+        sent += n
+        if ended:
+            break
+    return sent
