@@ -125,6 +125,18 @@ class Access(Index, Naming):
         size): the caller calls :meth:`forget` and looks it up again."""
         return self._mem.same_file(entry.key, st)
 
+    def row_token(self, key: str) -> object | None:
+        """An identity token of the row this process remembers for ``key`` (the entry
+        :meth:`lookup` answers from memory), None when it remembers none: the same object
+        exactly while that row is unchanged (not replaced, revalidated, updated, forgotten
+        or evicted). What is derived from a looked-up entry can be kept with it and reused
+        while ``row_token(key) is token``."""
+        return self._mem.token(key)
+
+    def same_file_key(self, key: str, st: os.stat_result) -> bool:
+        """:meth:`same_file` for the entry of ``key``."""
+        return self._mem.same_file(key, st)
+
     def forget(self, key: str) -> None:
         """Drop ``key`` from memory (its file was missing or replaced): the next lookup
         reads the index again."""
@@ -132,14 +144,18 @@ class Access(Index, Naming):
 
     def touch(self, entry: Entry, now: float | None = None) -> None:
         """Record a hit in memory; :meth:`flush_access` writes it to the index."""
+        self.touch_key(entry.key, now)
+
+    def touch_key(self, key: str, now: float | None = None) -> None:
+        """:meth:`touch` for the entry of ``key``."""
         now = time.time() if now is None else now
         with self._touch_lock:
             batch = self._batch()
             if not batch:
                 self._touch_since = time.monotonic()
-            rec = batch.get(entry.key)
+            rec = batch.get(key)
             if rec is None:
-                batch[entry.key] = [now, 1, 0.0]
+                batch[key] = [now, 1, 0.0]
             else:
                 rec[0] = now
                 rec[1] += 1
@@ -207,19 +223,20 @@ class Access(Index, Naming):
         return touched
 
     def _apply_touches(self, conn: sqlite3.Connection, touched: dict[str, list]) -> None:
-        for key, (last_access, hits, validated) in touched.items():
-            if validated:
-                conn.execute(
-                    "UPDATE entries SET last_access = MAX(last_access, ?), hits = hits + ?, "
-                    "validated = ? WHERE key = ?",
-                    (last_access, hits, validated, key),
-                )
-            else:
-                conn.execute(
-                    "UPDATE entries SET last_access = MAX(last_access, ?), hits = hits + ? "
-                    "WHERE key = ?",
-                    (last_access, hits, key),
-                )
+        # one statement each for all the plain accesses and all the validations: a batch
+        # of random hits over many entries is an update per entry, and a statement run
+        # for each costs more than the hits it records
+        conn.executemany(
+            "UPDATE entries SET last_access = MAX(last_access, ?), hits = hits + ? WHERE key = ?",
+            [(last_access, hits, key) for key, (last_access, hits, v) in touched.items() if not v],
+        )
+        validated = [(la, hits, v, key) for key, (la, hits, v) in touched.items() if v]
+        if validated:
+            conn.executemany(
+                "UPDATE entries SET last_access = MAX(last_access, ?), hits = hits + ?, "
+                "validated = ? WHERE key = ?",
+                validated,
+            )
 
     def flush_access(self) -> int:
         """Write the recorded accesses (last access, hit counts, validations) to the index
