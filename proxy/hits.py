@@ -55,7 +55,7 @@ class HitTier:
         # key -> (the file's stamp, its bytes, its path as a string: what a hit stats)
         self._ram: OrderedDict[str, tuple[Stamp, bytes, str]] = OrderedDict()
         self._bytes = 0
-        self._seen: dict[str, None] = {}  # see read()
+        self._seen: dict[str, bool] = {}  # see read()
         # what the answer path derived from an entry's stored fields (its header block),
         # kept with what it was derived from: an entry updated (a 304's new fields) or
         # replaced gets it derived afresh
@@ -151,8 +151,8 @@ class HitTier:
             return data
         if self._bytes + cost > self.max_bytes:
             seen = self._seen
-            if seen.pop(key, None) is None:
-                seen[key] = None
+            if not seen.pop(key, False):
+                seen[key] = True
                 if len(seen) > SEEN_KEPT:
                     del seen[next(iter(seen))]
                 return data
