@@ -31,6 +31,13 @@ the transport and every byte from the start of that request on, and the connecti
 the application's from then on. A hand-over waits until the answer being sent (a
 ``sendfile``) has ended and the transport takes writes again.
 
+What a target's first hit finds the whole way (the checks above, the mapped URL, the
+entry, its answer head) is kept per (target, ``Host``) as a :class:`_Hit`, with the
+identity token of the store's row it came from (:meth:`Access.row_token`): later hits on
+the target answer from it while the row is that same object, and find it again once the
+row changed (a new version, a 304, an eviction, the memo's bound). The entry file is
+still checked on every hit, kept or not.
+
 aiohttp's parser reads all it is given at once and answers only its 400 when anything
 in it is malformed: when more than one request is held, they are parsed through before
 any is answered, and an error anywhere hands them all over.

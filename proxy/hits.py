@@ -5,7 +5,8 @@ A hit needs no thread hop: the entry comes from :meth:`shardcache.store.Store.lo
 (memory), the file is opened and checked with ``fstat`` on the loop (a local ``open`` is a
 few microseconds, as nginx does it), and the bytes go out with ``sendfile``. Entries of at
 most ``max_object`` bytes are kept in a RAM tier bounded by ``max_bytes`` (least recently
-used dropped first); each RAM hit still ``stat``s the entry file, so an entry evicted or
+used dropped first; once it is full, an entry goes in on its second read, see
+:meth:`HitTier.read`); each RAM hit still ``stat``s the entry file, so an entry evicted or
 replaced by another process sharing the directory is never served from RAM.
 """
 
