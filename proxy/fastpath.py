@@ -640,8 +640,9 @@ class FastConnection(asyncio.Protocol):
             # the row the entry comes from, taken first: what is derived here is kept
             # while the row is that same object (a row that changes under the lookup
             # makes it no longer the same: derived again on the next hit)
-            token = store.row_token(store.key(url))
-            entry = store.lookup(url)
+            key = store.key(url)
+            token = store.row_token(key)
+            entry = store.lookup(url, key)
         except CacheError:
             return None
         if entry is None:

@@ -46,6 +46,11 @@ log = logging.getLogger("shardcache.store")
 # until its next miss or its close, while the others evict its hot entries as unread
 ACCESS_BATCH_SECONDS = 1.0
 
+# this process's id, kept up to date across fork: every hit asks which process's batch it
+# records into, and os.getpid() is a system call
+_PID = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+
 
 class Access(Index, Naming):
     """Lookups, hits and the batches of accesses (a part of :class:`Store`)."""
@@ -57,14 +62,16 @@ class Access(Index, Naming):
     _touch_since: float | None  # monotonic time of the oldest access in _touched
     _unreleased: dict[str, int]  # .part name -> bytes whose release the index refused
 
-    def lookup(self, url: str) -> Entry | None:
-        """The entry of ``url`` as far as this process knows, without writing anything.
+    def lookup(self, url: str, key: str | None = None) -> Entry | None:
+        """The entry of ``url`` (whose key the caller may have made: ``key``) as far as
+        this process knows, without writing anything.
 
         Answers from memory when it can, else from one read of the index. The file may
         still have been evicted by another process: the caller opens it and, if it is
         missing or has another size, calls :meth:`forget` and treats the request as a miss.
         """
-        key = self.key(url)
+        if key is None:
+            key = self.key(url)
         entry = self._mem.get(key)
         if entry is not None:
             return entry
@@ -204,8 +211,8 @@ class Access(Index, Naming):
     def _batch(self) -> dict[str, list]:
         """This process's accesses not yet written (call under ``_touch_lock``). A batch
         inherited over ``fork`` is the parent's to write: a child starts its own."""
-        if self._touch_pid != os.getpid():
-            self._touched, self._touch_pid = {}, os.getpid()
+        if self._touch_pid != _PID[0]:
+            self._touched, self._touch_pid = {}, _PID[0]
             self._touch_since = None
         return self._touched
 
