@@ -669,3 +669,25 @@ def test_kept_hits_go_to_the_application_once_revalidation_is_due(origin, tmp_pa
         assert metric(p.port, "shardcache_fast_hits_total") == 4
     finally:
         p.stop(timeout=10)
+
+
+def test_a_kept_hit_is_for_its_target_and_host_only(pair):
+    """What a target's hits are answered from is kept per (target, Host): the same
+    target with a Host the S3 front takes as a bucket (virtual-hosted style) or its
+    path-style twin are not answered from it, but as the application answers them,
+    between kept hits (another Host's spelling is kept apart)."""
+    fast, slow = pair
+    asked = [
+        (req("GET", "/small.tar", close=True), 1),
+        (b"GET /small.tar HTTP/1.1\r\nHost: data.localhost\r\nConnection: close\r\n\r\n", 0),
+        (req("GET", "/data/small.tar", close=True), 0),
+        (b"GET /small.tar HTTP/1.1\r\nHost: X\r\nConnection: close\r\n\r\n", 1),
+        (req("HEAD", "/small.tar", close=True), 1),
+    ]
+    for _ in range(2):  # the second time, every target's answer is kept
+        for payload, served in asked:
+            before = metric(fast.port, "shardcache_fast_hits_total")
+            got = exchange(fast.port, payload)
+            want = exchange(slow.port, payload)
+            assert normal(got) == normal(want), payload
+            assert metric(fast.port, "shardcache_fast_hits_total") - before == served, payload
