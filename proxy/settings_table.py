@@ -212,7 +212,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "ram_tier",
-        64 << 20,
+        32 << 20,
         "bytes of small hit entries (up to 256KiB each) kept in RAM, e.g. 256MiB, shared out "
         "among the workers; an entry read twice while it is full goes in (least recently "
         "used out), one read once does not; 0: every hit reads the entry file",
