@@ -105,7 +105,6 @@ __all__ = [
     "RUNTIME",
 ]
 MEMO_ENTRIES = 100_000  # entries kept in memory for hits, shared out among the workers
-RAM_TIER_BYTES = 32 << 20  # small entries' bytes kept in RAM, shared out among the workers
 
 
 def make_app(settings: Settings, *, sendfile: bool = True) -> web.Application:
@@ -249,7 +248,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     app[STORE] = store
     app[FETCHER] = fetcher
     app[HEALTH] = health
-    app[HITS] = HitTier(store, max_bytes=RAM_TIER_BYTES // s.workers)
+    app[HITS] = HitTier(store, max_bytes=s.ram_tier // s.workers)  # shared out
     app[INFLIGHT] = inflight = WatchedInflight(
         store, fetcher, m, cache_size=store.cache_size, health=health
     )

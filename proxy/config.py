@@ -114,6 +114,7 @@ class Settings:
     store_probe_interval: float = DEFAULTS["store_probe_interval"]
     workers: int = DEFAULTS["workers"]
     fast_hits: bool = DEFAULTS["fast_hits"]
+    ram_tier: int = DEFAULTS["ram_tier"]
 
     @property
     def upstream_options(self) -> UpstreamOptions:

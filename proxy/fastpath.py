@@ -31,6 +31,13 @@ the transport and every byte from the start of that request on, and the connecti
 the application's from then on. A hand-over waits until the answer being sent (a
 ``sendfile``) has ended and the transport takes writes again.
 
+What a target's first hit finds the whole way (the checks above, the mapped URL, the
+entry, its answer head) is kept per (target, ``Host``) as a :class:`_Hit`, with the
+identity token of the store's row it came from (:meth:`Access.row_token`): later hits on
+the target answer from it while the row is that same object, and find it again once the
+row changed (a new version, a 304, an eviction, the memo's bound). The entry file is
+still checked on every hit, kept or not.
+
 aiohttp's parser reads all it is given at once and answers only its 400 when anything
 in it is malformed: when more than one request is held, they are parsed through before
 any is answered, and an error anywhere hands them all over.
@@ -48,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import socket
 import time
@@ -59,7 +67,7 @@ import httptools
 from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
 
-from proxy.answer import _EntryBody, age_base, hit_age
+from proxy.answer import _EntryBody, age_base
 from proxy.context import (
     FORWARDED,
     HITS,
@@ -77,7 +85,6 @@ from proxy.hits import MAX_KEPT
 from proxy.observe import log_access
 from proxy.passthrough import mapped
 from proxy.plans import PLAN_HEADER
-from proxy.sendfile import send_now, send_rest
 from proxy.shard import entry_state, no_cache
 from shardcache.compat import (
     PROBES,
@@ -179,6 +186,73 @@ class _Block:
         return self.age
 
 
+class _Hit:
+    """What a hit on one request target (with one ``Host``) is answered from, kept while
+    the store's row of its entry is the same object (:meth:`Access.row_token`): the
+    target's decisions (a data path the S3 front leaves to the proxy, its upstream URL
+    off the uncached paths), the entry's key, file, size and whether the RAM tier takes
+    it, and its answer head but for ``Age``, ``Date`` and ``Connection``. Nothing here
+    vouches for the bytes: each hit still finds the entry file as it is on disk (a
+    ``stat`` against the RAM copy's stamp, or an ``open`` and ``fstat``)."""
+
+    __slots__ = (
+        "raw",
+        "url",
+        "key",
+        "path",
+        "token",
+        "size",
+        "small",
+        "head",
+        "length",
+        "date",
+        "server",
+        "age",
+        "validated",
+        "max_age",
+        "now",
+        "cost",
+    )
+
+    def __init__(
+        self,
+        hits: FastHits,
+        raw: str,
+        url: str,
+        entry: Any,
+        token: object | None,
+        block: _Block,
+        small: bool,
+        revalidate: object,
+        now: float,
+    ) -> None:
+        self.raw = raw
+        self.url = url
+        self.key = entry.key
+        self.path = os.fspath(entry.path)
+        self.token = token
+        self.size = entry.size
+        self.small = small
+        self.head = block.head
+        self.length = b"\r\nContent-Length: %d\r\n" % entry.size
+        self.date = block.date
+        self.server = block.server
+        self.age = block.age_base(entry)
+        self.validated = entry.validated
+        # --revalidate AGE: due once this old (never: None; http: not kept)
+        self.max_age = revalidate if isinstance(revalidate, (int, float)) else None
+        self.now = now  # when it was found (the first hit's clock)
+        self.cost = (
+            HIT_OVERHEAD + len(self.head) + 2 * len(raw) + len(url) + len(self.key) + len(self.path)
+        )
+
+
+# bytes of memory a kept hit takes beyond its texts (the object, its dict slot and key
+# tuple, the small objects it holds), for the bound
+HIT_OVERHEAD = 480
+KEPT_BYTES = 32 << 20  # what the kept hits of one process may take
+
+
 class FastHits:
     """The fast path of one listening socket: its connections, and the application's
     parts it answers from. ``handler_factory`` makes the application's protocol for a
@@ -201,6 +275,16 @@ class FastHits:
         self.tasks: set[asyncio.Task] = set()
         self.closing = False
         self._blocks: dict[str, _Block | None] = {}
+        # (target, Host) -> what its hits are answered from, at most max_kept_bytes
+        self.kept: dict[tuple[bytes, bytes], _Hit] = {}
+        self.kept_bytes = 0
+        self.max_kept_bytes = KEPT_BYTES
+        # the metrics every hit counts in, resolved at the first hit (a series appears
+        # once counted, as the application's)
+        self.requests: Any = None
+        self.served: Any = None
+        self.ttfb: Any = None
+        self.fast_count: Any = None
 
     def __call__(self) -> FastConnection:
         return FastConnection(self)
@@ -225,6 +309,30 @@ class FastHits:
         self._blocks[key] = made if made is not None else _Block(headers, b"", False, False, entry)
         return made
 
+    def resolve(self) -> None:
+        """Resolve the metrics hits count in (before the first is counted)."""
+        metrics = self.metrics
+        self.requests = metrics.requests.labels(cache=_HIT, code="200")
+        self.served = metrics.response_bytes.labels(cache=_HIT)
+        self.ttfb = metrics.ttfb.labels(cache=_HIT)
+        self.fast_count = metrics.fast_hits
+
+    def keep(self, memo: tuple[bytes, bytes], hit: _Hit) -> None:
+        """Keep ``hit`` for the next hits on ``memo`` (the oldest kept dropped first)."""
+        self.forget(memo)
+        if hit.cost > self.max_kept_bytes:
+            return
+        kept = self.kept
+        while self.kept_bytes + hit.cost > self.max_kept_bytes and kept:
+            self.kept_bytes -= kept.pop(next(iter(kept))).cost
+        kept[memo] = hit
+        self.kept_bytes += hit.cost
+
+    def forget(self, memo: tuple[bytes, bytes]) -> None:
+        old = self.kept.pop(memo, None)
+        if old is not None:
+            self.kept_bytes -= old.cost
+
     def pre_shutdown(self) -> None:
         """Stop answering: idle connections close now, the others once their answer
         is sent."""
@@ -245,6 +353,7 @@ class FastConnection(asyncio.Protocol):
         self.hits = hits
         self.loop = hits.loop
         self.transport: asyncio.Transport | None = None
+        self.fd = -1
         self.remote: str | None = None
         self.buf = bytearray()
         self.fed = 0  # bytes of the current request head given to the parser
@@ -289,6 +398,8 @@ class FastConnection(asyncio.Protocol):
             with contextlib.suppress(OSError):  # as the application's protocol does
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
         self.transport = tr
+        # the socket's descriptor for writev (None on a transport without one)
+        self.fd = sock.fileno() if sock is not None else -1
         peer = tr.get_extra_info("peername")
         if isinstance(peer, (list, tuple)):
             self.remote = str(peer[0])
@@ -410,57 +521,59 @@ class FastConnection(asyncio.Protocol):
                 close = True
             elif conn != b"keep-alive":
                 return False
-        target = self.url
-        if target[:1] != b"/" or not target.isascii() or b"#" in target:
-            return False
-        raw = target.decode("ascii")
-        if not _data_path(raw.partition("?")[0]):
-            return False
-        if not hits.front.proxys_own(raw, host.decode("utf-8", "surrogateescape")):
-            return False
         if len(hits.plans):
             return False  # every request counts in the plans' progress: the application's
-        try:
-            url, uncached = mapped(raw, hits.settings)
-        except ProxyError:
+        target = self.url
+        memo = (target, host)
+        hit = hits.kept.get(memo)
+        if hit is not None and hits.store.row_token(hit.key) is not hit.token:
+            hits.forget(memo)  # the entry changed, went or was dropped from memory
+            hit = None
+        if hit is None:
+            hit = self._look(target, host)
+            if hit is None:
+                return False
+            if hit.token is not None:
+                hits.keep(memo, hit)
+            now = hit.now
+        else:
+            now = time.time()
+            if hit.max_age is not None and now - hit.validated >= hit.max_age:
+                return False  # revalidation due: the application asks the upstream
+        if hits.inflight.get(hit.url) is not None:
             return False
-        if uncached or hits.inflight.get(url) is not None:
-            return False
-        try:
-            entry = hits.store.lookup(url)
-        except CacheError:
-            return False
-        if entry is None:
-            return False
-        body = _EntryBody(hits.tier, entry)
-        block = hits.block(entry, body.headers)
-        if block is None:
-            return False
-        now = time.time()
-        due, fresh, _ = entry_state(hits.settings.revalidate, entry, now, block.no_cache)
-        if due or not fresh:
-            return False
-        small = hits.tier.cacheable(entry)
-        if not small and not hits.runtime.sendfile:
-            return False
-        if not body.open():
+        key = hit.key
+        size = hit.size
+        data = fobj = None
+        if hit.small:
+            data = hits.tier.small_key(key, size)
+            if data is None:
+                data = hits.tier.read(key, hit.path, size)
+            found = data is not None
+        else:
+            if not hits.runtime.sendfile:
+                return False
+            fobj = hits.tier.open_key(key, hit.path, size)
+            found = fobj is not None
+        if not found:
+            hits.forget(memo)
             return False  # gone or replaced: the application forgets it, looks again
+        hits.store.touch_key(key, now)
+        if hits.requests is None:
+            hits.resolve()
         # answered here from now on
         del self.buf[:end]
         self.fed = 0
         self._reset()
-        size = entry.size
         parts = [
-            block.head,
+            hit.head,
             b"Age: ",
-            hit_age(entry, now, block.age_base(entry)).encode(),
-            b"\r\nContent-Length: ",
-            str(size).encode(),
-            b"\r\n",
+            str(int(hit.age + max(0.0, now - hit.validated))).encode(),
+            hit.length,
         ]
-        if block.date:
+        if hit.date:
             parts += (b"Date: ", hits.date().encode(), b"\r\n")
-        if block.server:
+        if hit.server:
             parts.append(_SERVER)
         if close:
             parts.append(_CLOSE)
@@ -469,77 +582,135 @@ class FastConnection(asyncio.Protocol):
         head = b"".join(parts)
         transport = self.transport
         assert transport is not None
-        verb = "GET" if method == b"GET" else "HEAD"
-        if body.data is not None:
-            if verb == "GET":
-                transport.write(head + body.data)
-            else:
-                transport.write(head)
-            hits.metrics.observe_ttfb(XCache.HIT, time.monotonic() - start)
-            self._account(verb, raw, 0 if verb == "HEAD" else size, start, "")
-            self.idle_since = self.loop.time()
+        raw = hit.raw
+        if method == b"GET":
+            verb = "GET"
+        else:
+            verb, data = "HEAD", b"" if data is not None else None
+        if data is not None:
+            self._write(transport, head, data)
+            done = time.monotonic()
+            hits.ttfb.observe(done - start)
+            self._account(verb, raw, len(data), start, "", done)
+            self.idle_since = done
             return True
+        assert fobj is not None
         transport.write(head)
         if verb == "HEAD" or size == 0:
-            body.close()
-            self._account(verb, raw, 0, start, "")
-            self.idle_since = self.loop.time()
+            fobj.close()
+            done = time.monotonic()
+            self._account(verb, raw, 0, start, "", done)
+            self.idle_since = done
             return True
-        hits.metrics.observe_ttfb(XCache.HIT, time.monotonic() - start)
-        try:
-            now = send_now(transport, body.fobj, 0, size)
-        except ConnectionError:
-            body.close()
-            self._account(verb, raw, 0, start, " client-gone")
-            self.gone = True
-            abort_transport(transport)
+        hits.ttfb.observe(time.monotonic() - start)
+        sent = self._sendfile_now(transport, fobj, size)
+        if sent == size:
+            fobj.close()
+            done = time.monotonic()
+            self._account(verb, raw, size, start, "", done)
+            self.idle_since = done
             return True
-        sent = 0
-        if now is not None:
-            sent, ended = now
-            if sent == size or ended:
-                body.close()
-                note = ""
-                if ended:  # the entry file ends early: never a clean short body
-                    log.warning("aborting %s %s: entry file ended at byte %d", verb, raw, sent)
-                    abort_transport(transport)
-                    self.gone = True
-                    note = " aborted"
-                self._account(verb, raw, sent, start, note)
-                self.idle_since = self.loop.time()
-                return True
         self.busy = True
-        task = self.loop.create_task(
-            self._send(body, verb, raw, size, start, sent, now is not None)
-        )
+        task = self.loop.create_task(self._send(fobj, verb, raw, size, start, sent))
         hits.tasks.add(task)
         hits.runtime.handlers.add(task)  # cut off if still sending when the grace period ends
         task.add_done_callback(self._sent)
         return True
 
+    def _look(self, target: bytes, host: bytes) -> _Hit | None:
+        """What a hit on ``target`` with ``host`` is answered from, found the whole way
+        (the target mapped, the entry looked up, its header block derived, its state
+        decided); None when the request is not a plain hit."""
+        hits = self.hits
+        if target[:1] != b"/" or not target.isascii() or b"#" in target:
+            return None
+        raw = target.decode("ascii")
+        if not _data_path(raw.partition("?")[0]):
+            return None
+        if not hits.front.proxys_own(raw, host.decode("utf-8", "surrogateescape")):
+            return None
+        try:
+            url, uncached = mapped(raw, hits.settings)
+        except ProxyError:
+            return None
+        if uncached:
+            return None
+        store = hits.store
+        try:
+            # the row the entry comes from, taken first: what is derived here is kept
+            # while the row is that same object (a row that changes under the lookup
+            # makes it no longer the same: derived again on the next hit)
+            key = store.key(url)
+            token = store.row_token(key)
+            entry = store.lookup(url, key)
+        except CacheError:
+            return None
+        if entry is None:
+            return None
+        body = _EntryBody(hits.tier, entry)
+        block = hits.block(entry, body.headers)
+        if block is None:
+            return None
+        now = time.time()
+        revalidate = hits.settings.revalidate
+        due, fresh, _ = entry_state(revalidate, entry, now, block.no_cache)
+        if due or not fresh:
+            return None
+        if isinstance(revalidate, str):
+            token = None  # freshness by the upstream's fields: decided anew on each hit
+        return _Hit(
+            hits, raw, url, entry, token, block, hits.tier.cacheable(entry), revalidate, now
+        )
+
+    def _write(self, transport: asyncio.Transport, head: bytes, data: bytes) -> None:
+        """Write ``head`` then ``data``: with one ``writev`` on the socket when nothing
+        is waiting in the transport's buffer (as its own ``write`` would send at once),
+        without joining them (a copy of the body); what the socket does not take goes
+        to the transport."""
+        fd = self.fd
+        if fd < 0 or not data or transport.is_closing() or transport.get_write_buffer_size():
+            transport.write(head + data if data else head)
+            return
+        try:
+            sent = os.writev(fd, (head, data))
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:  # the transport's own write meets it and closes as it does
+            transport.write(head + data)
+            return
+        if sent < len(head):
+            transport.write(head[sent:] + data)
+        elif sent < len(head) + len(data):
+            transport.write(memoryview(data)[sent - len(head) :])
+
+    def _sendfile_now(self, transport: asyncio.Transport, fobj: Any, size: int) -> int:
+        """Send what the socket takes of the entry file now, with one ``sendfile`` (as
+        nginx does): most answers go out whole, without a task, an await and the loop's
+        writer registered and removed. Nothing when the transport still holds bytes to
+        send (they go first); the bytes sent, the rest for :meth:`_send` (which finds a
+        file that ended early, or an error, again)."""
+        fd = self.fd
+        if fd < 0 or transport.is_closing() or transport.get_write_buffer_size():
+            return 0
+        try:
+            return os.sendfile(fd, fobj.fileno(), 0, size)
+        except OSError:  # would block, or an error the loop's sendfile meets as well
+            return 0
+
     async def _send(
-        self,
-        body: _EntryBody,
-        verb: str,
-        raw: str,
-        size: int,
-        start: float,
-        sent: int,
-        direct: bool,
+        self, fobj: Any, verb: str, raw: str, size: int, start: float, sent: int = 0
     ) -> None:
-        """Send the entry file's bytes from ``sent`` on with sendfile (``direct``: as the
-        socket takes them, :func:`proxy.sendfile.send_rest`; else asyncio's); a file
-        that ends early (or a cut at shutdown) aborts the connection."""
+        """Send the entry file's bytes from ``sent`` on with sendfile; a file that ends
+        early (or a cut at shutdown) aborts the connection."""
         transport = self.transport
         assert transport is not None
         nbytes, note = sent, ""
         try:
             cut = None
             try:
-                if direct:
-                    nbytes = sent + await send_rest(transport, body.fobj, sent, size - sent)
-                else:
-                    nbytes = await self.loop.sendfile(transport, body.fobj, 0, size, fallback=False)
+                nbytes += await self.loop.sendfile(
+                    transport, fobj, sent, size - sent, fallback=False
+                )
             except RuntimeError as exc:
                 if transport.is_closing():
                     note = " client-gone"
@@ -559,8 +730,8 @@ class FastConnection(asyncio.Protocol):
             abort_transport(transport)
             raise
         finally:
-            body.close()
-            self._account(verb, raw, nbytes, start, note)
+            fobj.close()
+            self._account(verb, raw, nbytes, start, note, time.monotonic())
             if note:
                 self.gone = True
                 if not transport.is_closing():
@@ -574,15 +745,17 @@ class FastConnection(asyncio.Protocol):
             task.exception()  # retrieved: its account is in the log already
         self._ended()
 
-    def _account(self, verb: str, raw: str, nbytes: int, start: float, note: str) -> None:
+    def _account(
+        self, verb: str, raw: str, nbytes: int, start: float, note: str, done: float
+    ) -> None:
         """The request's metrics and access-log line, as the application's middleware
-        makes them (:mod:`proxy.observe`)."""
-        metrics = self.hits.metrics
-        metrics.observe_request(_HIT, 200, nbytes)
-        metrics.fast_hits.inc()
-        log_access(
-            logging.INFO, self.remote, verb, raw, 200, _HIT, nbytes, time.monotonic() - start, note
-        )
+        makes them (:mod:`proxy.observe`); ``done``: when it ended (monotonic)."""
+        hits = self.hits
+        hits.requests.inc()
+        if nbytes:
+            hits.served.inc(nbytes)
+        hits.fast_count.inc()
+        log_access(logging.INFO, self.remote, verb, raw, 200, _HIT, nbytes, done - start, note)
 
     def _ended(self) -> None:
         """An answer was sent: close when asked to, else go on with what came since."""

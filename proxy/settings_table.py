@@ -14,6 +14,7 @@ from proxy.policy import (
     parse_bound,
     parse_min_free,
     parse_revalidate,
+    parse_size,
 )
 from proxy.setting import ENV_PREFIX, GROUPS, Setting, _show_size
 from proxy.setting_values import (
@@ -38,6 +39,12 @@ from proxy.setting_values import (
 )
 from proxy.upstream.options import DEFAULT_OPTIONS as UPSTREAM
 from shardcache.store import DEFAULT_POLICY, POLICIES
+
+
+def _ram_tier(text: str) -> int:
+    """``--ram-tier``: a size, 0 for none."""
+    return parse_size(text)
+
 
 EVICTION_POLICIES = POLICIES  # the store's
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -201,6 +208,17 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=1,
         maximum=64,
         metavar="N",
+        group="performance",
+    ),
+    Setting(
+        "ram_tier",
+        32 << 20,
+        "bytes of small hit entries (up to 256KiB each) kept in RAM, e.g. 256MiB, shared out "
+        "among the workers; an entry read twice while it is full goes in (least recently "
+        "used out), one read once does not; 0: every hit reads the entry file",
+        _ram_tier,
+        show=_show_size,
+        metavar="SIZE",
         group="performance",
     ),
     Setting(

@@ -26,6 +26,8 @@ import pytest
 from support.proxy_helpers import Origin, ProxyProcess
 from support.wait import wait_until
 
+from shardcache.store import Store
+
 pytestmark = [pytest.mark.timeout(300)]
 
 SMALL = bytes(range(256)) * 256  # 64 KiB: the RAM tier
@@ -600,3 +602,92 @@ def test_a_hit_due_for_revalidation_is_the_applications(origin, tmp_path):
         assert metric(p.port, "shardcache_fast_hits_total") == 0
     finally:
         p.stop(timeout=10)
+
+
+def _body(answer: bytes) -> bytes:
+    return answer.split(b"\r\n\r\n", 1)[1]
+
+
+@pytest.mark.parametrize("ram", ["64MiB", "0"])
+def test_an_entry_another_process_replaces_is_never_served_from_what_was_kept(tmp_path, ram):
+    """The fast path keeps what a target's hits are answered from; another process
+    sharing the directory that evicts the entry and commits a new version (same size,
+    same path) makes the next hit answer the new bytes, never the kept version's: the
+    RAM copy, the file opened or the head kept for it (ETag). With and without the RAM
+    tier."""
+    v1 = {"swap.tar": SMALL, "swapbig.tar": BIG}
+    v2 = {"swap.tar": bytes(reversed(SMALL)), "swapbig.tar": bytes(reversed(BIG))}
+    o = Origin(files=dict(v1)).start()
+    cache = tmp_path / "cache"
+    a = ProxyProcess(cache, "--upstream", o.url, "--ram-tier", ram).start()
+    b = None
+    try:
+        for name, data in v1.items():
+            assert _body(get(a.port, "/" + name, idle=5)) == data  # the miss
+            for _ in range(3):
+                got = get(a.port, "/" + name)
+                assert b"X-Cache: HIT" in got and _body(got) == data
+        kept = metric(a.port, "shardcache_fast_hits_total")
+        assert kept == 6
+        o.files.update(v2)
+        b = ProxyProcess(cache, "--upstream", o.url, "--fast-hits", "off").start()
+        for name in v1:
+            with Store(cache) as other:  # another process evicts it
+                assert other.remove(o.url + "/" + name)
+            assert _body(get(b.port, "/" + name, idle=5)) == v2[name]  # and commits v2
+        for name, data in v2.items():
+            for _ in range(3):
+                got = get(a.port, "/" + name, idle=5)
+                assert _body(got) == data, name
+                assert o.etag(name).encode() in got
+        # found changed once each, then kept again
+        assert metric(a.port, "shardcache_fast_hits_total") - kept >= 4
+    finally:
+        a.stop(timeout=10)
+        if b is not None:
+            b.stop(timeout=10)
+        o.stop()
+
+
+def test_kept_hits_go_to_the_application_once_revalidation_is_due(origin, tmp_path):
+    """``--revalidate AGE``: hits are the fast path's (kept) until the entry is AGE old,
+    then the application's (it asks the upstream), then the fast path's again."""
+    p = _start(origin, tmp_path, "on", "--revalidate", "2")
+    try:
+        assert get(p.port, "/other.tar").startswith(b"HTTP/1.1 200 OK")
+        asked = origin.gets["other.tar"]
+        for _ in range(3):
+            assert b"X-Cache: HIT" in get(p.port, "/other.tar")
+        assert metric(p.port, "shardcache_fast_hits_total") == 3
+        assert origin.gets["other.tar"] == asked
+        time.sleep(2.2)
+        assert get(p.port, "/other.tar").startswith(b"HTTP/1.1 200 OK")
+        assert origin.gets["other.tar"] == asked + 1  # asked the upstream
+        assert metric(p.port, "shardcache_fast_hits_total") == 3
+        got = get(p.port, "/other.tar")
+        assert b"X-Cache: HIT" in got and _body(got) == FILES["other.tar"]
+        assert metric(p.port, "shardcache_fast_hits_total") == 4
+    finally:
+        p.stop(timeout=10)
+
+
+def test_a_kept_hit_is_for_its_target_and_host_only(pair):
+    """What a target's hits are answered from is kept per (target, Host): the same
+    target with a Host the S3 front takes as a bucket (virtual-hosted style) or its
+    path-style twin are not answered from it, but as the application answers them,
+    between kept hits (another Host's spelling is kept apart)."""
+    fast, slow = pair
+    asked = [
+        (req("GET", "/small.tar", close=True), 1),
+        (b"GET /small.tar HTTP/1.1\r\nHost: data.localhost\r\nConnection: close\r\n\r\n", 0),
+        (req("GET", "/data/small.tar", close=True), 0),
+        (b"GET /small.tar HTTP/1.1\r\nHost: X\r\nConnection: close\r\n\r\n", 1),
+        (req("HEAD", "/small.tar", close=True), 1),
+    ]
+    for _ in range(2):  # the second time, every target's answer is kept
+        for payload, served in asked:
+            before = metric(fast.port, "shardcache_fast_hits_total")
+            got = exchange(fast.port, payload)
+            want = exchange(slow.port, payload)
+            assert normal(got) == normal(want), payload
+            assert metric(fast.port, "shardcache_fast_hits_total") - before == served, payload

@@ -12,9 +12,9 @@ import pytest
 from proxy import logs
 from proxy.answer import HIT_FIELDS, _with_fields, whole_headers
 from proxy.decide import XCache
-from proxy.hits import HitTier
+from proxy.hits import ITEM_OVERHEAD, HitTier
 from proxy.policy import confine
-from shardcache.store import Entry
+from shardcache.store import Entry, Store
 
 
 def entry(tmp_path: Path, **changes: object) -> Entry:
@@ -104,3 +104,32 @@ def test_the_log_formatter_writes_what_logging_writes() -> None:
         assert ours.format(record) == standard.format(record)
     dated = logs.Formatter(fmt, datefmt="%H:%M")
     assert dated.format(record) == logging.Formatter(fmt, datefmt="%H:%M").format(record)
+
+
+def test_a_full_tier_takes_an_entry_in_on_its_second_read(tmp_path: Path) -> None:
+    """Small entries read once each (a pass over more of them than the RAM tier holds)
+    do not push out the ones it holds; an entry read again while it is full goes in,
+    the least recently used out. Every read answers the file's bytes."""
+    store = Store(tmp_path / "cache", 1 << 30)
+    try:
+        entries = []
+        for i in range(6):
+            url = f"http://origin/s{i}.tar"
+            part = store.begin(url, 1000)
+            Path(part.path).write_bytes(bytes([i]) * 1000)
+            entries.append(store.commit(part, 1000))
+        tier = HitTier(store, max_bytes=3 * (1000 + ITEM_OVERHEAD))
+        for e in entries[:3]:
+            assert tier.load(e) == bytes([entries.index(e)]) * 1000
+        assert len(tier) == 3  # room for three
+        for e in entries[3:]:  # read once each: not taken in
+            assert tier.load(e) == bytes([entries.index(e)]) * 1000
+        assert len(tier) == 3
+        assert all(tier.small(e) is not None for e in entries[:3])
+        assert all(tier.small(e) is None for e in entries[3:])
+        assert tier.load(entries[4]) == bytes([4]) * 1000  # its second read: taken in
+        assert tier.small(entries[4]) == bytes([4]) * 1000
+        assert tier.small(entries[0]) is None  # the least recently used went out
+        assert len(tier) == 3 and tier.bytes <= tier.max_bytes
+    finally:
+        store.close()

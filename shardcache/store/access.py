@@ -46,6 +46,11 @@ log = logging.getLogger("shardcache.store")
 # until its next miss or its close, while the others evict its hot entries as unread
 ACCESS_BATCH_SECONDS = 1.0
 
+# this process's id, kept up to date across fork: every hit asks which process's batch it
+# records into, and os.getpid() is a system call
+_PID = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+
 
 class Access(Index, Naming):
     """Lookups, hits and the batches of accesses (a part of :class:`Store`)."""
@@ -57,14 +62,16 @@ class Access(Index, Naming):
     _touch_since: float | None  # monotonic time of the oldest access in _touched
     _unreleased: dict[str, int]  # .part name -> bytes whose release the index refused
 
-    def lookup(self, url: str) -> Entry | None:
-        """The entry of ``url`` as far as this process knows, without writing anything.
+    def lookup(self, url: str, key: str | None = None) -> Entry | None:
+        """The entry of ``url`` (whose key the caller may have made: ``key``) as far as
+        this process knows, without writing anything.
 
         Answers from memory when it can, else from one read of the index. The file may
         still have been evicted by another process: the caller opens it and, if it is
         missing or has another size, calls :meth:`forget` and treats the request as a miss.
         """
-        key = self.key(url)
+        if key is None:
+            key = self.key(url)
         entry = self._mem.get(key)
         if entry is not None:
             return entry
@@ -125,6 +132,18 @@ class Access(Index, Naming):
         size): the caller calls :meth:`forget` and looks it up again."""
         return self._mem.same_file(entry.key, st)
 
+    def row_token(self, key: str) -> object | None:
+        """An identity token of the row this process remembers for ``key`` (the entry
+        :meth:`lookup` answers from memory), None when it remembers none: the same object
+        exactly while that row is unchanged (not replaced, revalidated, updated, forgotten
+        or evicted). What is derived from a looked-up entry can be kept with it and reused
+        while ``row_token(key) is token``."""
+        return self._mem.token(key)
+
+    def same_file_key(self, key: str, st: os.stat_result) -> bool:
+        """:meth:`same_file` for the entry of ``key``."""
+        return self._mem.same_file(key, st)
+
     def forget(self, key: str) -> None:
         """Drop ``key`` from memory (its file was missing or replaced): the next lookup
         reads the index again."""
@@ -132,14 +151,18 @@ class Access(Index, Naming):
 
     def touch(self, entry: Entry, now: float | None = None) -> None:
         """Record a hit in memory; :meth:`flush_access` writes it to the index."""
+        self.touch_key(entry.key, now)
+
+    def touch_key(self, key: str, now: float | None = None) -> None:
+        """:meth:`touch` for the entry of ``key``."""
         now = time.time() if now is None else now
         with self._touch_lock:
             batch = self._batch()
             if not batch:
                 self._touch_since = time.monotonic()
-            rec = batch.get(entry.key)
+            rec = batch.get(key)
             if rec is None:
-                batch[entry.key] = [now, 1, 0.0]
+                batch[key] = [now, 1, 0.0]
             else:
                 rec[0] = now
                 rec[1] += 1
@@ -188,8 +211,8 @@ class Access(Index, Naming):
     def _batch(self) -> dict[str, list]:
         """This process's accesses not yet written (call under ``_touch_lock``). A batch
         inherited over ``fork`` is the parent's to write: a child starts its own."""
-        if self._touch_pid != os.getpid():
-            self._touched, self._touch_pid = {}, os.getpid()
+        if self._touch_pid != _PID[0]:
+            self._touched, self._touch_pid = {}, _PID[0]
             self._touch_since = None
         return self._touched
 
@@ -207,19 +230,20 @@ class Access(Index, Naming):
         return touched
 
     def _apply_touches(self, conn: sqlite3.Connection, touched: dict[str, list]) -> None:
-        for key, (last_access, hits, validated) in touched.items():
-            if validated:
-                conn.execute(
-                    "UPDATE entries SET last_access = MAX(last_access, ?), hits = hits + ?, "
-                    "validated = ? WHERE key = ?",
-                    (last_access, hits, validated, key),
-                )
-            else:
-                conn.execute(
-                    "UPDATE entries SET last_access = MAX(last_access, ?), hits = hits + ? "
-                    "WHERE key = ?",
-                    (last_access, hits, key),
-                )
+        # one statement each for all the plain accesses and all the validations: a batch
+        # of random hits over many entries is an update per entry, and a statement run
+        # for each costs more than the hits it records
+        conn.executemany(
+            "UPDATE entries SET last_access = MAX(last_access, ?), hits = hits + ? WHERE key = ?",
+            [(last_access, hits, key) for key, (last_access, hits, v) in touched.items() if not v],
+        )
+        validated = [(la, hits, v, key) for key, (la, hits, v) in touched.items() if v]
+        if validated:
+            conn.executemany(
+                "UPDATE entries SET last_access = MAX(last_access, ?), hits = hits + ?, "
+                "validated = ? WHERE key = ?",
+                validated,
+            )
 
     def flush_access(self) -> int:
         """Write the recorded accesses (last access, hit counts, validations) to the index

@@ -151,6 +151,14 @@ class Memo:
         while len(rows) > self.limit:
             del rows[next(iter(rows))]
 
+    def token(self, key: str) -> object | None:
+        """What tells whether the remembered row of ``key`` changed: the same object for
+        as long as the row is the same (every :meth:`put`, :meth:`refresh`, stamp taken,
+        :meth:`pop` and :meth:`clear` replaces or drops it), None without a row. A
+        caller that derived something from the row keeps the token with it and compares
+        by identity (it holds the old row alive, so a new one is never the same object)."""
+        return self._rows.get(_memo_key(key))
+
     def _stamp(self, key: bytes | str) -> Stamp | None:
         packed = self._rows.get(key)
         if packed is None:
