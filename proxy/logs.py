@@ -20,6 +20,12 @@ Two logging filters, installed once where the daemon sets up logging (:func:`ins
   a second per kind of error, the rest counted and the count given on the next line.
   What is not a client's malformed request (an exception in a handler: a bug) stays
   at ERROR with its traceback.
+
+The daemon's handler, :class:`BufferedStreamHandler`, writes the access log as nginx
+does with ``access_log ... buffer= flush=``: its lines are kept in memory and written
+together (:data:`BUFFER_BYTES` gathered, or :data:`FLUSH_SECONDS` after the first of
+them), and at once, after every line before it, for any other line: a system call
+(and a flush) per request saved.
 """
 
 from __future__ import annotations
@@ -29,12 +35,17 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 from urllib.parse import quote, quote_plus, unquote_plus, urlsplit
 
 __all__ = [
+    "ACCESS_LOGGER",
+    "BUFFER_BYTES",
+    "FLUSH_SECONDS",
     "PER_SECOND",
+    "BufferedStreamHandler",
     "ClientErrors",
     "Formatter",
     "Redact",
@@ -48,6 +59,10 @@ __all__ = [
 REDACTED = "[REDACTED]"
 PER_SECOND = 5  # lines a second per kind of malformed request; the rest are counted
 MAX_LOGGED = 2048  # characters of a request target the access log writes
+ACCESS_LOGGER = "shardcache.access"  # the logger of the access-log lines
+BUFFER_BYTES = 64 << 10  # access-log lines kept before they are written (nginx's buffer=)
+FLUSH_SECONDS = 1.0  # the longest an access-log line waits to be written (nginx's flush=)
+WRITE_BYTES = 4096  # the most written at once: PIPE_BUF, a pipe's atomic write (see below)
 MIN_SECRET = 4  # shorter secrets are only caught by their shape (a 1-char token would
 # otherwise blank that character everywhere)
 
@@ -378,3 +393,149 @@ def install(settings: object, extra_secrets: Iterable[str] = ()) -> None:
     for old in [f for f in server.filters if isinstance(f, ClientErrors)]:
         server.removeFilter(old)
     server.addFilter(ClientErrors())
+
+
+class BufferedStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A ``StreamHandler`` that keeps the lines of the ``buffered`` loggers below WARNING
+    (the access log's) in memory and writes them together: once ``size`` characters have
+    gathered, ``interval`` seconds after the first of them (a thread of its own writes
+    them when the proxy is idle), before any other line (which is written at once, so
+    the order of the lines is kept), at :meth:`flush` (``logging.shutdown`` at exit, the
+    ``--workers`` processes and the exit guard before ``os._exit``) and before a
+    ``fork``. A line waits at most ``interval`` seconds; a process killed with SIGKILL
+    loses the lines it had not written, at most ``size`` characters or ``interval``
+    seconds of them. ``interval`` 0: every line written at once, as ``StreamHandler``.
+
+    Lines are written :data:`WRITE_BYTES` at most at a time, whole: several processes
+    (``--workers``) writing to one pipe (a container's log) do not interleave within a
+    line, as pipes keep writes up to PIPE_BUF whole."""
+
+    def __init__(
+        self,
+        stream: Any = None,
+        *,
+        buffered: Collection[str] = (ACCESS_LOGGER,),
+        size: int = BUFFER_BYTES,
+        interval: float = FLUSH_SECONDS,
+    ) -> None:
+        super().__init__(stream)
+        self.buffered = frozenset(buffered) if interval > 0 else frozenset()
+        self.size = size
+        self.interval = interval
+        self._lines: list[str] = []
+        self._chars = 0
+        self._pending = threading.Event()  # set while lines wait for the flusher
+        self._closing = threading.Event()
+        self._flusher_pid = 0  # the process whose flusher thread runs (none in a fork)
+        _BUFFERED.add(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = self.format(record) + self.terminator
+            if record.name in self.buffered and record.levelno < logging.WARNING:
+                lines = self._lines
+                if not lines:
+                    self._arm()
+                lines.append(text)
+                self._chars += len(text)
+                if self._chars < self.size:
+                    return
+                text = ""
+            self._write_out(text)
+        except RecursionError:
+            raise
+        except Exception:  # noqa: BLE001 - as logging.StreamHandler: reported, not raised
+            self.handleError(record)
+
+    def flush(self) -> None:
+        """Write the lines kept, then flush the stream."""
+        with self.lock:  # type: ignore[union-attr]
+            if self._lines:
+                try:
+                    self._write_out("")
+                except Exception:  # noqa: BLE001 - as logging.StreamHandler
+                    self.handleError(
+                        logging.makeLogRecord({"msg": "the access-log lines kept in memory"})
+                    )
+            elif self.stream and hasattr(self.stream, "flush"):
+                self.stream.flush()
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._closing.set()
+            self._pending.set()  # the flusher sees it is closing, and ends
+            super().close()
+
+    def _arm(self) -> None:
+        """The first line kept: the flusher thread writes it ``interval`` seconds from
+        now at the latest (started in each process that keeps lines: a forked child has
+        none of its parent's threads)."""
+        if self._flusher_pid != os.getpid():
+            self._flusher_pid = os.getpid()
+            threading.Thread(
+                target=self._flush_every, args=(self._pending, self._closing),
+                name="log flusher", daemon=True,
+            ).start()  # fmt: skip
+        self._pending.set()
+
+    def _flush_every(self, pending: threading.Event, closing: threading.Event) -> None:
+        while True:
+            pending.wait()
+            if closing.wait(self.interval):
+                return  # closed: close() wrote what was kept
+            self.flush()
+
+    def _write_out(self, text: str) -> None:
+        """Write the lines kept, then ``text``; the handler's lock is held."""
+        lines, self._lines, self._chars = self._lines, [], 0
+        self._pending.clear()
+        if text:
+            lines.append(text)
+        stream = self.stream
+        chunk: list[str] = []
+        size = 0
+        for line in lines:
+            n = len(line) if line.isascii() else len(line.encode("utf-8", "replace"))
+            if chunk and size + n > WRITE_BYTES:
+                stream.write("".join(chunk))
+                stream.flush()
+                chunk, size = [], 0
+            chunk.append(line)
+            size += n
+        if chunk:
+            stream.write("".join(chunk))
+            stream.flush()
+
+
+_BUFFERED: weakref.WeakSet[BufferedStreamHandler] = weakref.WeakSet()
+
+
+def _flush_before_fork() -> None:
+    """Nothing kept is written twice (by the parent and by the child)."""
+    for handler in list(_BUFFERED):
+        handler.flush()
+
+
+def _forget_in_child() -> None:
+    """The child starts with nothing kept and no flusher (threads do not survive a fork;
+    an event the parent's flusher held would stay held)."""
+    for handler in list(_BUFFERED):
+        handler._lines, handler._chars = [], 0
+        handler._pending, handler._closing = threading.Event(), threading.Event()
+        handler._flusher_pid = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_flush_before_fork, after_in_child=_forget_in_child)
+
+
+def flush_handlers() -> None:
+    """Write what the root logger's handlers keep: before ``os._exit``, which skips
+    ``logging.shutdown``."""
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001, S110 - exiting: nothing else to do with it
+            pass
