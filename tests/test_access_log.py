@@ -1,7 +1,8 @@
 """The access log at little cost: its lines kept in memory and written together (as
 nginx's ``access_log ... buffer= flush=``), at most a second late when the proxy is idle,
 before any other line, every one of them at exit (SIGTERM included, and in each process
-of ``--workers``), redacted as before."""
+of ``--workers``), redacted as before; and its records made cheaply, yet as ``logging``
+makes them."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from proxy.logs import (
     WRITE_BYTES,
     BufferedStreamHandler,
     Formatter,
+    QuickRecords,
     Redact,
     Redactor,
 )
@@ -220,6 +222,70 @@ def test_a_forked_child_writes_its_own_lines_and_none_of_its_parents(tmp_path):
     finally:
         handler.close()
         stream.close()
+
+
+# ------------------------------------------------------------------ the records
+
+
+def _attrs(record: logging.LogRecord) -> dict:
+    skip = {"created", "msecs", "relativeCreated"}
+    return {k: v for k, v in vars(record).items() if k not in skip}
+
+
+@pytest.mark.fast
+def test_quick_records_are_what_logging_makes():
+    logger = logging.getLogger("t.quick")
+    quick = QuickRecords(logger, ACCESS_FORMAT, "/x/observe.py")
+    for level in (logging.INFO, logging.DEBUG, logging.INFO):
+        for _ in range(2):  # the first made by logging, the next from it
+            before = time.time()
+            record = quick.make(level, ARGS)
+            after = time.time()
+            standard = logger.makeRecord(
+                logger.name, level, "/x/observe.py", 0, ACCESS_FORMAT, ARGS, None
+            )
+            assert type(record) is logging.LogRecord
+            assert _attrs(record) == _attrs(standard)
+            assert before - 0.001 <= record.created <= after + 0.001
+            assert record.msecs == int((record.created - int(record.created)) * 1000) or (
+                record.msecs == 0.0  # Python 3.13's rounding of 999.9999 ms
+            )
+            assert record.relativeCreated >= 0
+            assert (
+                Formatter(FMT).format(record)[23:] == logging.Formatter(FMT).format(standard)[23:]
+            )
+    seen = {}
+
+    def other_thread() -> None:
+        seen["record"] = quick.make(logging.INFO, ARGS)
+        seen["record2"] = quick.make(logging.INFO, ARGS)
+
+    t = threading.Thread(target=other_thread, name="another thread")
+    t.start()
+    t.join(5)
+    assert seen["record2"].threadName == "another thread"
+    assert seen["record2"].thread == t.ident
+
+
+@pytest.mark.fast
+def test_quick_records_follow_a_record_factory():
+    made = []
+    standard = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs):
+        record = standard(*args, **kwargs)
+        record.custom = "yes"
+        made.append(record)
+        return record
+
+    quick = QuickRecords(logging.getLogger("t.factory"), ACCESS_FORMAT, __file__)
+    quick.make(logging.INFO, ARGS)
+    logging.setLogRecordFactory(factory)
+    try:
+        record = quick.make(logging.INFO, ARGS)
+    finally:
+        logging.setLogRecordFactory(standard)
+    assert made == [record] and record.custom == "yes"
 
 
 # ------------------------------------------------------------------ the daemon
