@@ -211,9 +211,32 @@ class Redact(logging.Filter):
 class Formatter(logging.Formatter):
     """``logging.Formatter`` with the date and time of a line made once a second, as
     nginx keeps its time string: ``time.strftime`` for every access-log line was a fifth
-    of what the line cost. The text is the base class's, to the millisecond."""
+    of what the line cost. The text is the base class's, to the millisecond.
+
+    A record without traceback or stack (an access line) is formatted in one step: the
+    ``%``-style format applied to the record as ``logging.Formatter`` applies it,
+    without the five calls it takes there to get to it."""
 
     _second: tuple[int, str] = (-1, "")
+
+    def format(self, record: logging.LogRecord) -> str:
+        style = self._style
+        if (
+            type(style) is not logging.PercentStyle
+            or style._defaults  # type: ignore[attr-defined]
+            or record.exc_info
+            or record.exc_text
+            or record.stack_info
+        ):
+            return super().format(record)
+        record.message = record.getMessage()
+        fmt = style._fmt
+        if "%(asctime)" in fmt:  # PercentStyle.usesTime
+            record.asctime = self.formatTime(record, self.datefmt)
+        try:
+            return fmt % record.__dict__
+        except KeyError as e:  # as PercentStyle.format
+            raise ValueError(f"Formatting field not found in record: {e}") from None
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
         if datefmt is not None or self.default_msec_format is None:

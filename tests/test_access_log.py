@@ -401,3 +401,32 @@ def test_a_closed_handler_leaves_no_flusher_behind():
     handler.close()
     wait_until(lambda: flushers() == before, 5, 0.01, "the flusher's end")
     assert stream.getvalue().count("\n") == 1
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "fmt, style, kw",
+    [
+        (FMT, "%", {}),
+        ("%(levelname)s %(message)s [%(process)d %(threadName)s %(module)s]", "%", {}),
+        (FMT, "%", {"datefmt": "%H:%M:%S"}),
+        ("%(message)s %(extra_field)s", "%", {"defaults": {"extra_field": "x"}}),
+        ("{asctime} {levelname} {message}", "{", {}),
+    ],
+)
+def test_the_formatter_writes_what_logging_writes(fmt, style, kw):
+    """One step for a plain record, the base class's steps for the rest: the same text."""
+    ours, standard = Formatter(fmt, style=style, **kw), logging.Formatter(fmt, style=style, **kw)
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        import sys
+
+        info = sys.exc_info()
+    for exc_info, stack in ((None, None), (info, None), (None, "Stack (most recent call last)")):
+        record = logging.LogRecord("t", logging.INFO, __file__, 1, ACCESS_FORMAT, ARGS, exc_info)
+        record.stack_info = stack
+        twin = logging.makeLogRecord(dict(vars(record)))
+        assert ours.format(record) == standard.format(twin)
+    with pytest.raises(ValueError, match="Formatting field not found"):
+        Formatter("%(nonesuch)s").format(record)
