@@ -46,7 +46,9 @@ __all__ = [
     "BUFFER_BYTES",
     "FLUSH_SECONDS",
     "PER_SECOND",
+    "AccessLines",
     "BufferedStreamHandler",
+    "DAEMON_FORMAT",
     "QuickRecords",
     "ClientErrors",
     "Formatter",
@@ -241,12 +243,17 @@ class Formatter(logging.Formatter):
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
         if datefmt is not None or self.default_msec_format is None:
             return super().formatTime(record, datefmt)
-        second = int(record.created)
+        return self.time_text(record.created, record.msecs)
+
+    def time_text(self, created: float, msecs: float) -> str:
+        """``asctime`` of a record made at ``created`` (``msecs`` its milliseconds),
+        without ``datefmt``."""
+        second = int(created)
         seen, text = self._second
         if second != seen:
-            text = time.strftime(self.default_time_format, self.converter(record.created))
+            text = time.strftime(self.default_time_format, self.converter(created))
             self._second = (second, text)
-        return self.default_msec_format % (text, record.msecs)
+        return self.default_msec_format % (text, msecs)  # type: ignore[operator]
 
 
 class RateLimit:
@@ -457,20 +464,54 @@ class BufferedStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
     def emit(self, record: logging.LogRecord) -> None:
         try:
             text = self.format(record) + self.terminator
-            if record.name in self.buffered and record.levelno < logging.WARNING:
-                lines = self._lines
-                if not lines:
-                    self._arm()
-                lines.append(text)
-                self._chars += len(text)
-                if self._chars < self.size:
-                    return
-                text = ""
-            self._write_out(text)
+            self._put(text, record.name in self.buffered and record.levelno < logging.WARNING)
         except RecursionError:
             raise
         except Exception:  # noqa: BLE001 - as logging.StreamHandler: reported, not raised
             self.handleError(record)
+
+    def emit_line(self, name: str, level: int, line: str) -> None:
+        """Write ``line`` (formatted, without terminator) of logger ``name`` at ``level``
+        as :meth:`emit` writes a record's (:class:`AccessLines`)."""
+        with self.lock:  # type: ignore[union-attr]
+            try:
+                self._put(line + self.terminator, name in self.buffered and level < logging.WARNING)
+            except RecursionError:
+                raise
+            except Exception:  # noqa: BLE001 - as logging.StreamHandler: reported, not raised
+                self.handleError(logging.makeLogRecord({"name": name, "msg": line}))
+
+    def _put(self, text: str, keep: bool) -> None:
+        """Keep ``text`` or write it (after what is kept); the handler's lock is held."""
+        if keep:
+            lines = self._lines
+            if not lines:
+                self._arm()
+            lines.append(text)
+            self._chars += len(text)
+            if self._chars < self.size:
+                return
+            text = ""
+        self._write_out(text)
+
+    def plain(self) -> Redact | None:
+        """This handler's :class:`Redact` when it is the daemon's own: that filter alone
+        and the daemon's format (:data:`DAEMON_FORMAT` through :class:`Formatter`,
+        without ``datefmt`` or defaults), so that a line made as :class:`AccessLines`
+        makes it is the line :meth:`emit` would write; None otherwise."""
+        filters, formatter = self.filters, self.formatter
+        if len(filters) != 1 or type(filters[0]) is not Redact or type(formatter) is not Formatter:
+            return None
+        style = formatter._style
+        if (
+            type(style) is not logging.PercentStyle
+            or style._fmt != DAEMON_FORMAT
+            or style._defaults  # type: ignore[attr-defined]
+            or formatter.datefmt is not None
+            or formatter.default_msec_format is None
+        ):
+            return None
+        return filters[0]
 
     def flush(self) -> None:
         """Write the lines kept, then flush the stream."""
@@ -535,6 +576,7 @@ class BufferedStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 
 _BUFFERED: weakref.WeakSet[BufferedStreamHandler] = weakref.WeakSet()
+DAEMON_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # proxy.config's
 
 
 if sys.version_info >= (3, 13):
@@ -615,6 +657,61 @@ def _task_name() -> str | None:
 
 
 _QUICK: weakref.WeakSet[QuickRecords] = weakref.WeakSet()
+
+
+class AccessLines:
+    """The access log's lines of one call site (``logger``, ``msg``): written straight
+    to the daemon's handler when the logging set up is the daemon's own, otherwise
+    logged as any record (:class:`QuickRecords`).
+
+    The daemon's own: ``logger`` without filters, whose records reach one handler, a
+    :class:`BufferedStreamHandler` with the daemon's filter and format
+    (:meth:`BufferedStreamHandler.plain`), and the standard record factory. Then the
+    line is what that handler would write for the record (the message formatted with
+    ``msg % args``, redacted by its :class:`Redact`, after the time, level and logger's
+    name, as :data:`DAEMON_FORMAT` lays them out), without the record and the nine calls
+    of ``Logger.handle``, ``Handler.handle``, the filter and the formatter it takes to
+    get there. Anything else (a test's ``caplog``, another handler, a filter on the
+    logger) sees the record as before: checked for every line."""
+
+    def __init__(self, logger: logging.Logger, msg: str, pathname: str) -> None:
+        self.logger, self.msg = logger, msg
+        self.records = QuickRecords(logger, msg, pathname)
+
+    def log(self, level: int, args: tuple[Any, ...]) -> None:
+        """Log ``msg % args`` at ``level`` (enabled: the caller asked ``isEnabledFor``)."""
+        logger = self.logger
+        handler = None if logger.filters else _only_handler(logger)
+        redact = handler.plain() if handler is not None and level >= handler.level else None
+        if redact is None or logging.getLogRecordFactory() is not logging.LogRecord:
+            logger.handle(self.records.make(level, args))
+            return
+        try:
+            message = self.msg % args
+        except Exception:  # noqa: BLE001 - the record's own way with a bad argument
+            logger.handle(self.records.make(level, args))
+            return
+        created, msecs, _ = _record_times()
+        when = handler.formatter.time_text(created, msecs)  # type: ignore[union-attr]
+        name = logger.name
+        line = f"{when} {logging.getLevelName(level)} {name}: {redact.redactor(message)}"
+        handler.emit_line(name, level, line)  # type: ignore[union-attr]
+
+
+def _only_handler(logger: logging.Logger) -> BufferedStreamHandler | None:
+    """The one handler a record of ``logger`` reaches, when that is all it reaches and
+    it is a :class:`BufferedStreamHandler` (as ``Logger.callHandlers`` walks)."""
+    found = None
+    c: logging.Logger | None = logger
+    while c is not None:
+        for h in c.handlers:
+            if found is not None or type(h) is not BufferedStreamHandler:
+                return None
+            found = h
+        if not c.propagate:
+            break
+        c = c.parent
+    return found
 
 
 def _flush_before_fork() -> None:

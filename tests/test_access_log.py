@@ -20,8 +20,10 @@ from support.proxy_helpers import Origin, ProxyProcess
 from support.wait import wait_until
 
 from proxy.logs import (
+    DAEMON_FORMAT,
     FLUSH_SECONDS,
     WRITE_BYTES,
+    AccessLines,
     BufferedStreamHandler,
     Formatter,
     QuickRecords,
@@ -286,6 +288,146 @@ def test_quick_records_follow_a_record_factory():
     finally:
         logging.setLogRecordFactory(standard)
     assert made == [record] and record.custom == "yes"
+
+
+# ------------------------------------------------------------------ the lines, straight
+
+
+PRESIGNED = "/b/k.tar?X-Amz-Credential=AKIA/x&X-Amz-Signature=0123abcd&n=known-secret-value"
+
+
+def _daemon_handler(stream: io.StringIO, name: str) -> BufferedStreamHandler:
+    """As proxy.config.configure_logging and proxy.logs.install set it up."""
+    handler = BufferedStreamHandler(stream, buffered=(name,), interval=60)  # type: ignore[arg-type]
+    handler.setFormatter(Formatter(DAEMON_FORMAT))
+    handler.addFilter(Redact(Redactor(["known-secret-value"])))
+    return handler
+
+
+def _no_record(*args: object) -> logging.LogRecord:
+    raise AssertionError("a record was made")
+
+
+@pytest.mark.fast
+def test_straight_lines_are_the_lines_of_the_records():
+    """With the daemon's handler alone a line is written without a record, and it is
+    the line the record would have given: same text, redacted, same time format."""
+    straight, standard = Writes(), Writes()
+    a = _logger("t.access", _daemon_handler(straight, "t.access"))
+    b = _logger("t.access", _daemon_handler(standard, "t.access"))
+    lines = AccessLines(a, ACCESS_FORMAT, __file__)
+    lines.records.make = _no_record  # type: ignore[method-assign]
+    records = QuickRecords(b, ACCESS_FORMAT, __file__)
+    for level in (logging.INFO, logging.DEBUG):
+        for target in ("/s.tar", PRESIGNED, "/ünïcode.tar", "/x" * 3000):
+            args = ("::1", "GET", target, 206, "MISS", 123, 1.23456, " cut-off")
+            lines.log(level, args)
+            b.handle(records.make(level, args))
+    for h in (*a.handlers, *b.handlers):
+        h.flush()
+    ours, theirs = straight.getvalue().splitlines(), standard.getvalue().splitlines()
+    assert len(ours) == len(theirs) == 8
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
+    for x, y in zip(ours, theirs, strict=True):
+        assert re.match(stamp, x) and re.match(stamp, y)
+        assert x[24:] == y[24:]
+    assert "0123abcd" not in straight.getvalue() and "known-secret-value" not in ours[1]
+    assert "X-Amz-Signature=[REDACTED]" in ours[1]
+    assert ours[0][24:] == 'INFO t.access: ::1 "GET /s.tar" 206 MISS 123 1.235s cut-off'
+    assert ours[4][24:].startswith("DEBUG t.access: ")
+
+
+class Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.fast
+def test_anything_but_the_daemons_handler_alone_gets_the_record():
+    """Another handler on the way (a test's caplog), a filter on the logger, a handler
+    level above the line's, another format or filter, another record factory: the
+    record is made and handled as before."""
+    args = ("127.0.0.1", "GET", PRESIGNED, 200, "HIT", 1, 0.001, "")
+
+    def setup() -> tuple[logging.Logger, Writes, BufferedStreamHandler]:
+        stream = Writes()
+        handler = _daemon_handler(stream, "t.access")
+        parent = logging.Logger("t", logging.DEBUG)
+        parent.addHandler(handler)
+        access = logging.Logger("t.access", logging.DEBUG)
+        access.parent = parent
+        return access, stream, handler
+
+    access, stream, handler = setup()
+    collect = Collect()
+    access.addHandler(collect)
+    AccessLines(access, ACCESS_FORMAT, __file__).log(logging.INFO, args)
+    handler.flush()
+    assert len(collect.records) == 1 and collect.records[0].name == "t.access"
+    assert stream.getvalue().count("\n") == 1 and "X-Amz-Signature=[REDACTED]" in stream.getvalue()
+
+    access, stream, handler = setup()
+    access.addFilter(lambda record: False)
+    AccessLines(access, ACCESS_FORMAT, __file__).log(logging.INFO, args)
+    handler.flush()
+    assert stream.getvalue() == ""  # the logger's filter said no
+
+    access, stream, handler = setup()
+    handler.setLevel(logging.WARNING)
+    AccessLines(access, ACCESS_FORMAT, __file__).log(logging.INFO, args)
+    handler.flush()
+    assert stream.getvalue() == ""
+
+    access, stream, handler = setup()
+    handler.setFormatter(Formatter("%(levelname)s %(process)d %(message)s"))
+    AccessLines(access, ACCESS_FORMAT, __file__).log(logging.INFO, args)
+    handler.flush()
+    assert stream.getvalue().startswith(f"INFO {os.getpid()} 127.0.0.1")
+    assert "X-Amz-Signature=[REDACTED]" in stream.getvalue()
+
+    access, stream, handler = setup()
+    handler.addFilter(lambda record: "AKIA" not in record.getMessage())  # a second filter
+    AccessLines(access, ACCESS_FORMAT, __file__).log(logging.INFO, args)
+    handler.flush()
+    assert stream.getvalue().count("\n") == 1  # redacted first, then let through
+
+    access, stream, handler = setup()
+    made = []
+    standard = logging.getLogRecordFactory()
+
+    def factory(*a, **kw):
+        made.append(standard(*a, **kw))
+        return made[-1]
+
+    logging.setLogRecordFactory(factory)
+    try:
+        AccessLines(access, ACCESS_FORMAT, __file__).log(logging.INFO, args)
+    finally:
+        logging.setLogRecordFactory(standard)
+    handler.flush()
+    assert len(made) == 1 and stream.getvalue().count("\n") == 1
+
+
+@pytest.mark.fast
+def test_a_warning_comes_after_the_straight_lines_before_it():
+    stream = Writes()
+    handler = _daemon_handler(stream, "t.access")
+    access = _logger("t.access", handler)
+    lines = AccessLines(access, ACCESS_FORMAT, __file__)
+    for n in range(3):
+        lines.log(logging.INFO, ("127.0.0.1", "GET", f"/s{n}.tar", 200, "HIT", 1, 0.001, ""))
+    assert stream.getvalue() == ""
+    _logger("t.other", handler).warning("upstream failing")
+    got = stream.getvalue().splitlines()
+    assert [ln[24:] for ln in got] == [
+        *(f'INFO t.access: 127.0.0.1 "GET /s{n}.tar" 200 HIT 1 0.001s' for n in range(3)),
+        "WARNING t.other: upstream failing",
+    ]
+    handler.close()
 
 
 # ------------------------------------------------------------------ the daemon
