@@ -306,9 +306,17 @@ def configure_logging(level: str, access_log: str = DEFAULTS["access_log"]) -> N
     """Set up plain logging to stderr at ``level``; the access log's lines ``buffered``
     (written together, :class:`proxy.logs.BufferedStreamHandler`), written one by one
     (``on``), or not at all (``off``)."""
-    from proxy.logs import ACCESS_LOGGER, DAEMON_FORMAT, BufferedStreamHandler, Formatter
+    from proxy.logs import (
+        ACCESS_LOGGER,
+        DAEMON_FORMAT,
+        FLUSH_SECONDS,
+        BufferedStreamHandler,
+        Formatter,
+    )
 
-    handler = BufferedStreamHandler() if access_log == "buffered" else logging.StreamHandler()
+    # on: every line written at once (the handler's interval 0), still without a record
+    # (proxy.logs.AccessLines)
+    handler = BufferedStreamHandler(interval=FLUSH_SECONDS if access_log == "buffered" else 0)
     handler.setFormatter(Formatter(DAEMON_FORMAT))
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
     # off: no line below WARNING (an access line is INFO, or DEBUG for a passing probe)
