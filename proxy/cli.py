@@ -47,7 +47,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"shardcache serve: error: {exc}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.access_log)
     from proxy import logs
 
     logs.install(settings)  # no credential in any line, no client's flood at ERROR

@@ -80,6 +80,7 @@ class Settings:
     upstream_headers: tuple[Credential, ...] = DEFAULTS["upstream_headers"]
     forward_credentials: tuple[str, ...] = DEFAULTS["forward_credentials"]
     log_level: str = DEFAULTS["log_level"]
+    access_log: str = DEFAULTS["access_log"]
     eviction: str = DEFAULTS["eviction"]
     connect_timeout: float = DEFAULTS["connect_timeout"]
     read_timeout: float = DEFAULTS["read_timeout"]
@@ -302,10 +303,24 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
     return settings_from_args(args, os.environ if environ is None else environ)
 
 
-def configure_logging(level: str) -> None:
-    """Set up plain logging to stderr at ``level``."""
-    from proxy.logs import Formatter  # the time of a line made once a second
+def configure_logging(level: str, access_log: str = DEFAULTS["access_log"]) -> None:
+    """Set up plain logging to stderr at ``level``; the access log's lines ``buffered``
+    (written together, :class:`proxy.logs.BufferedStreamHandler`), written one by one
+    (``on``), or not at all (``off``)."""
+    from proxy.logs import (
+        ACCESS_LOGGER,
+        DAEMON_FORMAT,
+        FLUSH_SECONDS,
+        BufferedStreamHandler,
+        Formatter,
+    )
 
-    handler = logging.StreamHandler()
-    handler.setFormatter(Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    # on: every line written at once (the handler's interval 0), still without a record
+    # (proxy.logs.AccessLines)
+    handler = BufferedStreamHandler(interval=FLUSH_SECONDS if access_log == "buffered" else 0)
+    handler.setFormatter(Formatter(DAEMON_FORMAT))
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
+    # off: no line below WARNING (an access line is INFO, or DEBUG for a passing probe)
+    logging.getLogger(ACCESS_LOGGER).setLevel(
+        logging.WARNING if access_log == "off" else logging.NOTSET
+    )

@@ -30,7 +30,7 @@ from proxy.context import (
 )
 from proxy.decide import XCache
 from proxy.errormap import error_answer
-from proxy.logs import clip
+from proxy.logs import AccessLines, clip
 from proxy.policy import confine
 from proxy.s3front import S3_SERVICE_ROUTE
 from proxy.upstream.errors import PassedAnswer
@@ -164,22 +164,15 @@ def log_access(
     """The access-log line of one request (the middleware's, and the fast path's for the
     hits it answers itself: :mod:`proxy.fastpath`)."""
     if access_log.isEnabledFor(level):
-        # the record made here: Logger.log would walk the stack for the caller's
-        # file and line, which no access-log line shows
-        access_log.handle(
-            access_log.makeRecord(
-                access_log.name,
-                level,
-                __file__,
-                0,
-                ACCESS_FORMAT,
-                (remote, method, clip(raw_path), status, cache, nbytes, duration, note),
-                None,
-            )
-        )
+        # Logger.log would walk the stack for the caller's file and line, which no
+        # access-log line shows, and LogRecord would work out again what is the same for
+        # every line; with the daemon's own handler the line is written without a record
+        # (proxy.logs.AccessLines)
+        _lines.log(level, (remote, method, clip(raw_path), status, cache, nbytes, duration, note))
 
 
 ACCESS_FORMAT = '%s "%s %s" %d %s %d %.3fs%s'
+_lines = AccessLines(access_log, ACCESS_FORMAT, __file__)
 
 
 CUT_OFF = 499  # logged for a request cut off before its status was sent (as nginx does)

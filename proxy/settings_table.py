@@ -246,6 +246,15 @@ SETTINGS: tuple[Setting, ...] = (
         group="logging",
     ),
     Setting(
+        "access_log",
+        "buffered",
+        "the access log, a line per request: buffered (lines kept in memory and written "
+        "together once 64 KiB gather or a second after the first of them, and before any "
+        "other line; a SIGKILL loses what is kept), on (each line written at once), off",
+        choices=("buffered", "on", "off"),
+        group="logging",
+    ),
+    Setting(
         "eviction",
         DEFAULT_POLICY,
         "what makes room once the cache is full: evict the least recently used or the "

@@ -133,6 +133,9 @@ def _run_worker(settings: Settings, index: int, ready_fd: int) -> None:
         traceback.print_exc()
         code = 1
     finally:
+        from proxy.logs import flush_handlers
+
+        flush_handlers()  # the access lines kept in memory: os._exit skips logging.shutdown
         sys.stderr.flush()
         os._exit(code)
 

@@ -397,8 +397,12 @@ def test_fuzzed_heads_answered_like_the_application(pair):
         assert p.proc.poll() is None
 
 
-def _access_lines(p: ProxyProcess) -> list[str]:
-    lines = [ln for ln in p.log_text().splitlines() if "shardcache.access" in ln]
+def _access_lines(p: ProxyProcess, count: int) -> list[str]:
+    """The first ``count`` access-log lines, once written."""
+    wait_until(
+        lambda: p.log_text().count(" shardcache.access: ") >= count, 10, what="the access lines"
+    )
+    lines = [ln for ln in p.log_text().splitlines() if "shardcache.access" in ln][:count]
     # without the time stamp and the duration
     return [re.sub(r" \d+\.\d+s", "", ln.split(" INFO ", 1)[1]) for ln in lines]
 
@@ -429,7 +433,7 @@ def test_access_log_and_metrics_counted_alike(origin, tmp_path):
                 + req("GET", "/big.tar", close=True)
             )
             exchange(p.port, payload)
-        assert _access_lines(fast) == _access_lines(slow)
+        assert _access_lines(fast, 10) == _access_lines(slow, 10)
         assert before[fast].keys() == before[slow].keys()
         after = {p: samples(p.port, *names) for p in (fast, slow)}
         assert after[fast].keys() == after[slow].keys()
@@ -500,7 +504,7 @@ def test_entry_file_cut_short_aborts_the_connection(tmp_path):
         assert got < size
         assert reset, f"a clean end after {got} of {size} bytes"
         wait_until(lambda: "entry file ended at byte" in p.log_text(), 10, what="the abort logged")
-        assert re.search(r'"GET /huge.tar" 200 HIT \d+ [\d.]+s aborted', p.log_text())
+        assert p.logged(r'"GET /huge.tar" 200 HIT \d+ [\d.]+s aborted')
         assert metric(p.port, "shardcache_fast_hits_total") == 1
     finally:
         p.stop(timeout=10)

@@ -222,7 +222,13 @@ def _run_scenario(origin, tier, sidecars, tier_url, capsys):
     d2_gets = {p: origin.gets[p] for p in D2}
     # Who owned what: the tier proxy that answered for the shard (its access log).
     served_victim = served_by(tier[victim], list(D2))
-    served_live = set().union(*(served_by(p, list(D2)) for i, p in enumerate(tier) if i != victim))
+
+    def served_live_now() -> set[str]:
+        return set().union(*(served_by(p, list(D2)) for i, p in enumerate(tier) if i != victim))
+
+    # the live proxies write their access lines up to a second after the requests
+    wait_until(lambda: served_victim | served_live_now() == set(D2), 10, 0.1, "access lines")
+    served_live = served_live_now()
     assert served_victim | served_live == set(D2)
     for path, n in d2_gets.items():
         assert 1 <= n <= 2, (path, n)

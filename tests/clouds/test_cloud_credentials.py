@@ -201,6 +201,7 @@ def test_gcs_service_account_file_signs_the_requests(gate, tmp_path):
         assert got == (200, SMALL), (got[0], got[1][:300], log[-2000:])
     finally:
         p.stop()
+    log = p.log_text()  # once stopped: every access line written
     assert gate.verified and set(gate.verified) == {"reader@test.iam.gserviceaccount.com"}
     assert gate.refused == 0
     assert "BEGIN PRIVATE KEY" not in log and "Bearer" not in log
@@ -255,6 +256,7 @@ def test_gcs_another_key_is_refused_with_a_hint(gate, tmp_path):
         log = p.log_text()
     finally:
         p.stop()
+    log = p.log_text()  # once stopped: every access line written
     assert status == 403, body
     assert b"GOOGLE_APPLICATION_CREDENTIALS" in body
     assert gate.refused >= 1 and not gate.verified
@@ -322,6 +324,7 @@ def test_azure_refused_credentials_are_403_and_never_shown(azurite, tmp_path, ho
         log = p.log_text()
     finally:
         p.stop()
+    log = p.log_text()  # once stopped: every access line written
     assert status == 403, body
     assert b"AZURE_STORAGE_ACCOUNT_KEY" in body and b"AZURE_STORAGE_SAS_TOKEN" in body
     assert secret not in log and secret.encode() not in body

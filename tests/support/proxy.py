@@ -85,6 +85,15 @@ class ProxyProcess:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def logged(self, pattern: str, timeout: float = 10) -> str:
+        """The log, once the regex ``pattern`` matches in it: access-log lines are
+        written up to a second after their requests (``--access-log buffered``)."""
+        return wait_until(
+            lambda: re.search(pattern, text := self.log_text()) and text,
+            timeout,
+            what=lambda: f"{pattern!r} in the log:\n{self.log_text()[-3000:]}",
+        )
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc is None:
             return 0
