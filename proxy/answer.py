@@ -339,7 +339,10 @@ class _DownloadBody(_Body):
             request[T_BYTES] += len(data)
 
         async def send(fobj: Any, offset: int, count: int) -> int:
-            return await _send_file(request, resp, fobj, offset, count, threaded=True)
+            # a short span (a small object, a follower's last bytes) on the loop: the
+            # thread hop would cost more than the copy it spreads
+            threaded = count > LOOP_SEND_MAX
+            return await _send_file(request, resp, fobj, offset, count, threaded=threaded)
 
         # followers send the written prefix of the .part file straight from the page cache;
         # a chunked response (size unknown) needs the writer's framing, so it gets write()
@@ -465,6 +468,7 @@ async def _send_file(
     return pos - offset
 
 
+LOOP_SEND_MAX = 64 << 10  # a download's span up to this long is sent from the event loop
 DIRECT_RANGE_AHEAD = 4 << 20  # a range this far past a download's bytes is read directly
 
 

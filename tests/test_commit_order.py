@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 from support.badorigin import BadOrigin, Version
@@ -98,3 +99,59 @@ def test_revalidate_always_right_after_a_miss(transport, tmp_path):
             assert not stale, f"served without revalidation after a miss: {stale}"
         finally:
             p.stop(timeout=10)
+
+
+def test_clean_ends_of_many_small_misses_at_once_survive_kill_9(transport, tmp_path):
+    """Sixteen clients miss small objects at once, so their commits are made in groups
+    (one transaction and one directory fsync each); the proxy is killed with SIGKILL the
+    moment the 120th clean end arrives, the other clients still in flight. Every object
+    a client received with a clean end is an entry after the restart."""
+    n, clients, kill_at = 400, 16, 120
+    with BadOrigin() as origin:
+        objects = {}
+        for i in range(n):
+            data = os.urandom(1024 + i % 13)
+            objects[f"/small/{i:04d}.bin"] = data
+            origin.add(f"/small/{i:04d}.bin", versions=[Version(data, etag=f'"s{i}"')])
+        args = ("--upstream", origin.url, *COMMON, *TRANSPORTS[transport])
+        cache = tmp_path / "cache"
+        p = ProxyProcess(cache, *args).start()
+        paths = list(objects)
+        clean: list[str] = []
+        lock = threading.Lock()
+        killed = threading.Event()
+
+        def client(i: int) -> None:
+            for path in paths[i::clients]:
+                if killed.is_set():
+                    return
+                r = fetch(p.port, path, timeout=20)
+                if not (r.status == 200 and r.clean):
+                    continue  # cut by the kill: no promise was made
+                assert r.body == objects[path], r.describe()
+                with lock:
+                    clean.append(path)
+                    if len(clean) == kill_at:
+                        p.proc.send_signal(signal.SIGKILL)  # at once, the others mid-miss
+                        killed.set()
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        finally:
+            p.stop(sig=signal.SIGKILL)
+        assert killed.is_set() and len(clean) >= kill_at, len(clean)
+        p = ProxyProcess(cache, *args).start()
+        try:
+            lost = []
+            for path in clean:
+                again = fetch(p.port, path)
+                assert again.status == 200 and again.body == objects[path], again.describe()
+                if again.headers.get("x-cache") != "HIT":
+                    lost.append(path)
+        finally:
+            p.stop(timeout=10)
+        assert not lost, f"{len(lost)} of {len(clean)} clean ends lost after kill -9: {lost[:5]}"

@@ -5,6 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.inflight import READ_CHUNK, _next_span
+from proxy.inflight.download import WHOLE_TAIL
 
 pytestmark = pytest.mark.fast
 
@@ -20,6 +21,20 @@ def test_unverified_end_holds_back_one_byte_then_waits():
     size = 5 << 20
     assert _next_span(0, size, size, size, size, True, False, None) == (size - 1, False)
     assert _next_span(size - 1, size, size, size, size, True, False, None) == (1, True)
+
+
+def test_a_small_unverified_end_waits_whole():
+    """A small object (or a short last span) is not split around its last byte: it goes
+    out in one send once verified, rather than two sends each a thread hop."""
+    for size in (1, 1024, WHOLE_TAIL):
+        assert _next_span(0, size, size, size, size, True, False, None) == (size, True)
+    big = 5 << 20
+    assert _next_span(big - WHOLE_TAIL, big, big, big, big, True, False, None) == (
+        WHOLE_TAIL,
+        True,
+    )
+    tail = WHOLE_TAIL + 1
+    assert _next_span(big - tail, big, big, big, big, True, False, None) == (tail - 1, False)
 
 
 def test_verified_end_goes_out_whole():

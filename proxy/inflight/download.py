@@ -30,6 +30,7 @@ __all__ = ["Download", "State"]
 log = logging.getLogger(__name__)
 
 READ_CHUNK = 1 << 20
+WHOLE_TAIL = 64 << 10  # an unverified final span up to this long is sent whole, once verified
 
 
 class State(enum.Enum):
@@ -415,9 +416,11 @@ def _next_span(
     """How many bytes from ``pos`` to send now (``stop`` is the written limit), and
     whether they include the object's final byte, which may go out only once verified.
 
-    When ``cap`` is None (spans go out whole), an unverified final span is split: all but
-    its last byte now, the last byte after verification, so a slow verification never
-    holds back the bulk of the bytes.
+    When ``cap`` is None (spans go out whole), an unverified final span of more than
+    :data:`WHOLE_TAIL` bytes is split: all but its last byte now, the last byte after
+    verification, so a slow verification never holds back the bulk of the bytes. A
+    shorter one waits whole: for a small object, one send after the commit costs less
+    than two (each a thread hop), and the bytes held back are few.
     """
     n = stop - pos if cap is None else min(cap, stop - pos)
 
@@ -427,6 +430,6 @@ def _next_span(
         return not streaming and pos + k == written
 
     last = is_last(n)
-    if last and not verified and cap is None and n > 1:
+    if last and not verified and cap is None and n > WHOLE_TAIL:
         return n - 1, False
     return n, last

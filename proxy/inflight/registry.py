@@ -71,6 +71,22 @@ def _open_pair(path: str) -> tuple[int, int]:
     return w, r
 
 
+def _begin_open(
+    store: Store, url: str, size: int | None, streamed: bool
+) -> tuple[Partial, tuple[int, int]] | None:
+    """:meth:`Store.begin` and :func:`_open_pair` on its file, in one trip to a thread (a
+    small object's miss is a handful of such trips: each one counts)."""
+    partial = store.begin(url, size, streamed=streamed)
+    if partial is None:
+        return None
+    try:
+        return partial, _open_pair(str(partial.path))
+    except BaseException:
+        with contextlib.suppress(CacheError):
+            store.abort(partial)
+        raise
+
+
 class Inflight:
     """The downloads running in this proxy, keyed by canonical upstream URL."""
 
@@ -161,7 +177,7 @@ class Inflight:
                 meta, lambda start, end: self.fetcher.read_range(dl.url, start, end, meta=meta)
             )
             dl.attach(body)
-            partial, reason = await self._admit(dl, meta)
+            partial, fds, reason = await self._admit(dl, meta)
             if partial is None:
                 log.info("%s not cached (%s), streaming it through", dl.url, reason)
                 dl.to_bypass(body, reason)
@@ -171,7 +187,7 @@ class Inflight:
                 )
                 return
             dl.cached = True
-            wfd, rfd = await asyncio.to_thread(_open_pair, partial.path)
+            wfd, rfd = fds
             dl.to_streaming(rfd)
             try:
                 await self._receive(dl, body, partial, wfd)
@@ -301,56 +317,66 @@ class Inflight:
                 dl.url, dl.headers, urgent=dl.urgent, one_stream=dl.one_stream
             )
 
-    async def _admit(self, dl: Download, meta: ObjectMeta) -> tuple[Partial | None, str]:
-        """A partial file for the download, or None and why it is not cached."""
+    async def _admit(
+        self, dl: Download, meta: ObjectMeta
+    ) -> tuple[Partial | None, tuple[int, int], str]:
+        """A partial file for the download with a write and a read descriptor on it, or
+        None and why it is not cached."""
         health = self.health
+        no = (-1, -1)
         if cache_control_forbids(meta.cache_control):
-            return None, f"upstream Cache-Control: {meta.cache_control}"
+            return None, no, f"upstream Cache-Control: {meta.cache_control}"
         cdn = meta.field("CDN-Cache-Control")  # RFC 9213: for caches such as this one
         if cache_control_forbids(cdn):
-            return None, f"upstream CDN-Cache-Control: {cdn}"
+            return None, no, f"upstream CDN-Cache-Control: {cdn}"
         vary = ", ".join(v for k, v in meta.fields if k.lower() == "vary")  # every line
         if vary_forbids(vary, meta.content_encoding):
-            return None, f"upstream Vary: {vary} (entries are keyed by URL)"
+            return None, no, f"upstream Vary: {vary} (entries are keyed by URL)"
         size = sum(len(k) + len(v) + 4 for k, v in meta.fields)
         if size > MAX_STORED_HEADER_BYTES:
-            return None, (
-                f"its header fields take {size} bytes, more than the "
-                f"{MAX_STORED_HEADER_BYTES} stored with an entry"
+            return (
+                None,
+                no,
+                (
+                    f"its header fields take {size} bytes, more than the "
+                    f"{MAX_STORED_HEADER_BYTES} stored with an entry"
+                ),
             )
         if not health.writable:
-            return None, "the store is not writable"
+            return None, no, "the store is not writable"
         if not should_admit(meta.size, self.cache_size):
-            return None, await asyncio.to_thread(self.store.why_no_room, meta.size)
+            return None, no, await asyncio.to_thread(self.store.why_no_room, meta.size)
         try:
             begin = asyncio.ensure_future(
                 asyncio.to_thread(
                     # a download started ahead of its reader must be kept for it
                     functools.partial(
-                        self.store.begin, dl.url, meta.size, streamed=dl.reason == "demand"
+                        _begin_open, self.store, dl.url, meta.size, dl.reason == "demand"
                     )
                 )
             )
             try:
-                partial = await asyncio.shield(begin)
+                made = await asyncio.shield(begin)
             except asyncio.CancelledError:
                 # cancelled (shutting down) while the store created the partial file:
                 # it is this download's to remove, not a leftover for the next start
                 with contextlib.suppress(Exception):
-                    made = await begin
-                    if made is not None:
-                        await asyncio.to_thread(self.store.abort, made)
+                    late = await begin
+                    if late is not None:
+                        for fd in late[1]:
+                            os.close(fd)
+                        await asyncio.to_thread(self.store.abort, late[0])
                 raise
-            if partial is None:
-                return None, await asyncio.to_thread(self.store.why_no_room, meta.size)
-            return partial, ""
+            if made is None:
+                return None, no, await asyncio.to_thread(self.store.why_no_room, meta.size)
+            return made[0], made[1], ""
         except CacheError as exc:
             err = health.classify("create", exc)
             if err is not None:
                 health.failed(err)
             else:
                 log.error("cannot cache %s, streaming it through: %s", dl.url, exc)
-            return None, f"store error: {exc}"
+            return None, no, f"store error: {exc}"
 
     async def _receive(self, dl: Download, body: UpstreamBody, partial: Partial, wfd: int) -> None:
         """Write the whole body to the partial file, then check its length and every

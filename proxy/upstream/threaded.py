@@ -88,7 +88,11 @@ class _ThreadedResponse:
             exc, self._error = self._error, None
             raise exc
         if self._buf is None:
-            self._buf = bytearray(BATCH_BYTES)
+            # no bigger than the body: a zeroed 1 MiB per 1 KiB object cost more than
+            # receiving it (every later slice of a Content-Length body fits, as n +
+            # remaining never exceeds what was due when the buffer was made)
+            due = self.remaining
+            self._buf = bytearray(BATCH_BYTES if due is None else max(1, min(BATCH_BYTES, due)))
         view = memoryview(self._buf)
         n = 0
         t0 = 0.0

@@ -8,8 +8,9 @@ Layout of ``cache_dir``::
     .shardcache.sqlite (+ -wal, -shm)     the index
 
 The store is synchronous. Async callers run each call in a thread
-(``asyncio.to_thread``); each call is one transaction plus a stat or a rename. Hits write
-nothing: accesses are recorded in memory and written in batches.
+(``asyncio.to_thread``); each call is one transaction plus a stat or a rename (commits
+of several threads ready at once share one transaction and one directory fsync). Hits
+write nothing: accesses are recorded in memory and written in batches.
 
 One public class, :class:`Store`, made of parts kept in modules named for what they
 hold; each imports only the ones before it:

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
+import threading
 import time
+from pathlib import Path
 
 from shardcache.errors import CacheError, IncompleteDownloadError, NoRoomError
 from shardcache.meta import ObjectMeta
@@ -33,8 +36,30 @@ from shardcache.store.names import HOST, part_name, size_of
 from shardcache.store.space import Space
 
 
+class _Commit:
+    """One download's commit as it waits for its group (:meth:`Downloads._group_commit`)."""
+
+    __slots__ = ("partial", "row", "size", "ready", "lead", "error", "evicted", "stamp")
+
+    def __init__(self, partial: Partial, row: tuple, size: int) -> None:
+        self.partial = partial
+        self.row = row
+        self.size = size
+        self.ready = threading.Event()  # done (either way), or this one leads the next group
+        self.lead = False
+        self.error: BaseException | None = None  # Rollback: no room
+        self.evicted: list[tuple[Entry, Path | None]] = []
+        self.stamp: Stamp | None = None
+
+
 class Downloads(Space):
     """Downloads in progress and their end (a part of :class:`Store`)."""
+
+    # commits waiting for their group, whether a thread leads one now, and whose they are
+    _commits: list[_Commit]
+    _committing: bool
+    _commits_lock: threading.Lock
+    _commits_pid: int
 
     def begin(
         self, url: str, expected_size: int | None, *, streamed: bool = True
@@ -190,43 +215,108 @@ class Downloads(Space):
         # the row as inserted, in ENTRY_COLS order: created, last access and validated now
         row = (partial.key, self.recorded_url(partial.url), size, etag, last_modified)
         row += (content_type, now, now, 0, now, fields_json(fields), digests_json(digests))
-        try:
-            with self._tx() as conn:
-                conn.execute("DELETE FROM reservations WHERE name = ?", (partial.path.name,))
-                # Replacing an entry of the same URL frees its bytes first.
-                conn.execute("DELETE FROM entries WHERE key = ?", (partial.key,))
-                evicted = self._make_room(conn, size, exclude=(partial.key,))
-                if evicted is None:
-                    raise Rollback
-                conn.execute(ENTRY_INSERT, row)
-                # last: a failed rename rolls the row back with it
-                try:
-                    os.replace(partial.path, target)
-                except OSError as exc:
-                    raise store_write_error("commit", target, exc) or CacheError(
-                        f"{target}: cannot move download into place: {exc}"
-                    ) from exc
-                try:  # under the write lock: this row's file, before anyone replaces it
-                    stamp: Stamp | None = file_stamp(os.stat(target))
-                except OSError:
-                    stamp = None
-        except Rollback:
-            self._mem.pop(partial.key, None)
-            self.abort(partial)
-            raise NoRoomError(partial.url, size, self.cache_size) from None
-        except CacheError:
+        done = self._group_commit(_Commit(partial, row, size))
+        if done.error is not None:
             self._mem.pop(partial.key, None)
             with contextlib.suppress(CacheError):
                 self.abort(partial)
-            raise
+            if isinstance(done.error, Rollback):
+                raise NoRoomError(partial.url, size, self.cache_size) from None
+            raise done.error
         partial.reserved = 0
-        self._finish_evictions(evicted)
-        self._fsync_dir()
+        self._finish_evictions(done.evicted)
         entry = row_to_entry(self.cache_dir, row)
-        self._mem.put(entry, stamp)
+        self._mem.put(entry, done.stamp)
         with self._touch_lock:
             self._touched.pop(partial.key, None)  # accesses of a replaced entry
         return entry
+
+    def _group_commit(self, mine: _Commit) -> _Commit:
+        """Rename ``mine`` into place and record its row, durably (the directory fsynced),
+        together with the commits of other threads that are ready at the same time: one
+        thread at a time leads, taking every commit queued so far into one transaction
+        and one fsync of the directory, and wakes each committer only after both; commits
+        queued meanwhile make the next group, led by the first of them. A commit alone
+        costs what it did by itself; sixteen at once share one transaction and one
+        directory fsync instead of taking turns."""
+        if self._commits_pid != os.getpid():  # a forked child: none of its parent's
+            self._commits_lock = threading.Lock()
+            self._commits, self._committing = [], False
+            self._commits_pid = os.getpid()
+        with self._commits_lock:
+            self._commits.append(mine)
+            if not self._committing:
+                self._committing = True
+                mine.lead = True
+        if not mine.lead:
+            mine.ready.wait()  # its result, or the lead of the next group
+            if not mine.lead:
+                return mine
+        with self._commits_lock:
+            group, self._commits = self._commits, []
+        try:
+            self._commit_group(group)
+        finally:
+            with self._commits_lock:
+                if self._commits:
+                    nxt = self._commits[0]
+                    nxt.lead = True
+                    nxt.ready.set()
+                else:
+                    self._committing = False
+        return mine
+
+    def _commit_group(self, group: list[_Commit]) -> None:
+        """One transaction for ``group``: each commit in a savepoint of its own (one that
+        finds no room or cannot be renamed is rolled back alone, its error kept), then
+        one fsync of the directory; then every committer of the group is woken."""
+        try:
+            with self._tx() as conn:
+                for c in group:
+                    conn.execute("SAVEPOINT one_commit")
+                    try:
+                        c.evicted = self._commit_row(conn, c)
+                    except (Rollback, CacheError) as exc:
+                        conn.execute("ROLLBACK TO one_commit")
+                        c.error = exc
+                    conn.execute("RELEASE one_commit")
+            self._fsync_dir()
+        except CacheError as exc:  # the transaction as a whole: none of the group is in
+            for c in group:
+                if c.error is None:
+                    c.error = exc
+        except BaseException as exc:
+            for c in group:
+                if c.error is None:
+                    c.error = CacheError(f"{c.partial.path}: commit interrupted: {exc!r}")
+            raise
+        finally:
+            for c in group:
+                c.ready.set()
+
+    def _commit_row(self, conn: sqlite3.Connection, c: _Commit) -> list[tuple[Entry, Path | None]]:
+        """Inside the transaction: release the reservation, make room, insert the row and
+        rename the file into place (last: a failed rename rolls the row back with it)."""
+        partial = c.partial
+        target = self.cache_dir / partial.key
+        conn.execute("DELETE FROM reservations WHERE name = ?", (partial.path.name,))
+        # Replacing an entry of the same URL frees its bytes first.
+        conn.execute("DELETE FROM entries WHERE key = ?", (partial.key,))
+        evicted = self._make_room(conn, c.size, exclude=(partial.key,))
+        if evicted is None:
+            raise Rollback
+        conn.execute(ENTRY_INSERT, c.row)
+        try:
+            os.replace(partial.path, target)
+        except OSError as exc:
+            raise store_write_error("commit", target, exc) or CacheError(
+                f"{target}: cannot move download into place: {exc}"
+            ) from exc
+        try:  # under the write lock: this row's file, before anyone replaces it
+            c.stamp = file_stamp(os.stat(target))
+        except OSError:
+            c.stamp = None
+        return evicted
 
     def _fsync_dir(self) -> None:
         with contextlib.suppress(OSError):

@@ -104,6 +104,11 @@ class Store(Reconcile):
         self._touched: dict[str, list] = {}
         self._touch_lock = threading.Lock()
         self._touch_pid = os.getpid()
+        # commits waiting to be made in one transaction with others (Downloads.commit)
+        self._commits: list = []
+        self._committing = False
+        self._commits_lock = threading.Lock()
+        self._commits_pid = os.getpid()
         self._touch_since: float | None = None  # when the oldest of them was recorded
         # reservations whose release failed (index not writable): .part name -> bytes,
         # released by the next flush and not counted as reserved meanwhile

@@ -145,6 +145,45 @@ def owner_gone(pid: int, host: str, created: float, now: float) -> bool:
     return started is not None and created < started - START_MARGIN
 
 
+_GONE = -1.0  # OwnerCheck: a pid with no live process
+
+
+class OwnerCheck:
+    """:func:`owner_gone` for the rows of one read (every reservation, on each download's
+    start): each pid of this host is looked up once, however many rows name it, and this
+    process's own rows need no system call (its start is read once per process). The
+    verdicts are those of :func:`owner_gone` at ``now``."""
+
+    _own: tuple[int, float | None] | None = None  # (pid, its start) of this process
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self._started: dict[int, float | None] = {}
+
+    @classmethod
+    def _own_start(cls, pid: int) -> float | None:
+        own = cls._own
+        if own is None or own[0] != pid:  # first use, or a forked child
+            own = cls._own = (pid, process_started(pid))
+        return own[1]
+
+    def gone(self, pid: int, host: str, created: float) -> bool:
+        if self.now - created > STALE_AGE:
+            return True
+        if host != HOST:
+            return False
+        started = self._started.get(pid, _GONE)
+        if pid not in self._started:
+            if pid == os.getpid():
+                started = self._own_start(pid)
+            else:
+                started = process_started(pid) if pid_alive(pid) else _GONE
+            self._started[pid] = started
+        if started == _GONE:
+            return True
+        return started is not None and created < started - START_MARGIN
+
+
 @dataclass(frozen=True)
 class SettingNames:
     """How the store's messages name its settings: the library's parameter names by

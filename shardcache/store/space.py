@@ -27,7 +27,7 @@ from shardcache.eviction import choose_victims, choose_victims_planned, eviction
 from shardcache.sizes import format_size
 from shardcache.store.access import Access
 from shardcache.store.entry import ENTRY_COLS, Entry, row_to_entry
-from shardcache.store.names import owner_gone
+from shardcache.store.names import OwnerCheck
 
 log = logging.getLogger("shardcache.store")
 
@@ -153,13 +153,13 @@ class Space(Access):
 
         Returns their .part paths, to unlink after the transaction.
         """
-        now = time.time()
+        owners = OwnerCheck(time.time())  # each process looked up once, not once per row
         stale = [
             name
             for name, pid, host, created in conn.execute(
                 "SELECT name, pid, host, created FROM reservations"
             ).fetchall()
-            if owner_gone(pid, host, created, now)
+            if owners.gone(pid, host, created)
         ]
         for name in stale:
             conn.execute("DELETE FROM reservations WHERE name = ?", (name,))
