@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["members_ahead", "regular_file", "DEFAULT_READ_AHEAD"]
+__all__ = ["ReadAhead", "members_ahead", "regular_file", "DEFAULT_READ_AHEAD"]
 
 DEFAULT_READ_AHEAD = 8 << 20
 """Bytes of member data :class:`~shardcache.ShardDataset` reads ahead by default."""
@@ -45,37 +45,51 @@ def regular_file(stream: Any) -> bool:
         return False
 
 
-def members_ahead(members: Iterator[dict[str, Any]], limit: int) -> Iterator[dict[str, Any]]:
-    """Yield the items of ``members`` (dicts whose ``"data"`` is ``bytes``), which a
-    thread reads ahead: at most ``limit`` bytes of ``data`` wait in the queue (always at
-    least one item), plus the item being read. An exception of ``members`` is raised
-    here once the items before it are yielded. Closing this generator stops the thread
-    (after the read in progress) before it returns, so the caller may then close the
-    stream ``members`` reads.
+class ReadAhead:
+    """A thread reading the items of ``members`` (dicts whose ``"data"`` is ``bytes``)
+    ahead of the consumer, started at once: at most ``limit`` bytes of ``data`` wait in
+    the queue (always at least one item), plus the item being read. :meth:`items`
+    yields them in order; an exception of ``members`` is raised there once the items
+    before it are yielded. :attr:`read_all` turns true once ``members`` ended without
+    error: its stream is not read any more. :meth:`close` (also at the end of
+    :meth:`items`) stops the thread after the read in progress and waits for it, so the
+    caller may then close the stream ``members`` reads.
 
     A full queue is refilled once half of it is taken, not item by item: the thread
     reads several members in a row while the consumer is busy, instead of waking (and
     asking for the GIL) at every item the consumer takes."""
-    cond = threading.Condition(threading.Lock())
-    items: deque[Any] = deque()
-    low = limit // 2
-    # bytes queued; the thread waits for room; the consumer stopped
-    state = {"bytes": 0, "full": False, "stop": False}
 
-    def produce() -> None:
+    def __init__(self, members: Iterator[dict[str, Any]], limit: int) -> None:
+        self.read_all = False
+        self._members = members
+        self._limit = limit
+        self._low = limit // 2
+        self._cond = threading.Condition(threading.Lock())
+        self._items: deque[Any] = deque()
+        self._bytes = 0  # of the items queued
+        self._full = False  # the thread waits for room
+        self._stop = False
+        self._thread = threading.Thread(
+            target=self._produce, name="shardcache-read-ahead", daemon=True
+        )
+        self._thread.start()
+
+    def _produce(self) -> None:
+        cond, items, limit = self._cond, self._items, self._limit
         end: Any = _DONE
         try:
-            for item in members:
+            for item in self._members:
                 n = len(item["data"])
                 with cond:
-                    while items and state["bytes"] + n > limit and not state["stop"]:
-                        state["full"] = True
+                    while items and self._bytes + n > limit and not self._stop:
+                        self._full = True
                         cond.wait()
-                    if state["stop"]:
+                    if self._stop:
                         return
                     items.append(item)
-                    state["bytes"] += n
+                    self._bytes += n
                     cond.notify()
+            self.read_all = True
         except BaseException as exc:  # handed to the consumer, raised there
             end = exc
         finally:
@@ -83,25 +97,34 @@ def members_ahead(members: Iterator[dict[str, Any]], limit: int) -> Iterator[dic
                 items.append(end)
                 cond.notify()
 
-    thread = threading.Thread(target=produce, name="shardcache-read-ahead", daemon=True)
-    thread.start()
-    try:
-        while True:
-            with cond:
-                while not items:
-                    cond.wait()
-                item = items.popleft()
-                if item is _DONE:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                state["bytes"] -= len(item["data"])
-                if state["full"] and (state["bytes"] <= low or not items):
-                    state["full"] = False
-                    cond.notify()
-            yield item
-    finally:
-        with cond:
-            state["stop"] = True
-            cond.notify()
-        thread.join()
+    def items(self) -> Iterator[dict[str, Any]]:
+        cond, items = self._cond, self._items
+        try:
+            while True:
+                with cond:
+                    while not items:
+                        cond.wait()
+                    item = items.popleft()
+                    if item is _DONE:
+                        return
+                    if isinstance(item, BaseException):
+                        raise item
+                    self._bytes -= len(item["data"])
+                    if self._full and (self._bytes <= self._low or not items):
+                        self._full = False
+                        cond.notify()
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join()
+
+
+def members_ahead(members: Iterator[dict[str, Any]], limit: int) -> Iterator[dict[str, Any]]:
+    """The items of ``members``, read ahead by a :class:`ReadAhead` thread (at most
+    ``limit`` bytes of ``data`` queued); closing the generator stops the thread."""
+    yield from ReadAhead(members, limit).items()

@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 from shardcache.errors import ShardFormatError
 from shardcache.gopen import gopen
 from shardcache.handlers import reraise_exception
-from shardcache.readahead import members_ahead, regular_file
+from shardcache.readahead import ReadAhead, regular_file
 from shardcache.tarreader import Handler, _tar_members
 
 __all__ = [
@@ -132,11 +132,15 @@ def tar_file_expander(
 
     ``read_ahead`` (bytes, default 0: off): a shard that is a local regular file is read
     by a thread, at most that many bytes of member data ahead of the consumer
-    (:func:`shardcache.readahead.members_ahead`); the files, errors and their order are
-    the same. Not with ``select_files`` or ``rename_files`` (they are called as the
-    members are read, and stay in the consumer's thread).
+    (:class:`shardcache.readahead.ReadAhead`); once it is read to its end, the next
+    shard is asked for from ``data`` (which may close the one read) and its reading
+    starts while the last files of the previous one are yielded. The files, errors and
+    their order are the same. Not with ``select_files`` or ``rename_files`` (they are
+    called as the members are read, and stay in the consumer's thread).
     """
-    ahead = read_ahead > 0 and select_files is None and rename_files is None
+    if read_ahead > 0 and select_files is None and rename_files is None:
+        yield from _expand_ahead(data, handler, eof_value, read_ahead)
+        return
     for source in data:
         url = source["url"]
         stream = source["stream"]
@@ -146,12 +150,9 @@ def tar_file_expander(
             extra["__local_path__"] = local_path
         try:
             try:
-                members = _tar_members(
+                yield from _tar_members(
                     stream, url, _SKIP_META, handler, select_files, rename_files, extra
                 )
-                if ahead and regular_file(stream):
-                    members = members_ahead(members, read_ahead)
-                yield from members
             except BaseException:
                 _close_quietly(stream, url)
                 raise
@@ -164,6 +165,109 @@ def tar_file_expander(
             break
         if eof_value is not None:
             yield eof_value
+
+
+_END = object()  # no shard after this one
+
+
+def _extra(source: dict[str, Any]) -> dict[str, Any]:
+    extra = {"__url__": source["url"]}
+    local_path = source.get("local_path")
+    if local_path is not None:
+        extra["__local_path__"] = local_path
+    return extra
+
+
+def _start(source: dict[str, Any], limit: int) -> ReadAhead | None:
+    """A :class:`ReadAhead` over the members of ``source``'s stream when it is a local
+    regular file, else None (read where it is consumed)."""
+    stream = source["stream"]
+    if not regular_file(stream):
+        return None
+    members = _tar_members(
+        stream, source["url"], _SKIP_META, reraise_exception, None, None, _extra(source)
+    )
+    return ReadAhead(members, limit)
+
+
+def _expand_ahead(
+    data: Iterable[dict[str, Any]],
+    handler: Handler,
+    eof_value: dict[str, Any] | None,
+    limit: int,
+) -> Iterator[dict[str, Any]]:
+    """:func:`tar_file_expander` with read-ahead: the same files, markers and errors in
+    the same order. A shard's next one is taken from ``data`` (and its read-ahead
+    started) once the shard is read to its end; what ``data`` raises then is raised
+    where the loop would have taken it."""
+    sources = iter(data)
+    early: Any = None  # (source, ReadAhead or None), _END, or what next(sources) raised
+    reader: ReadAhead | None = None
+    try:
+        while True:
+            if early is None:
+                try:
+                    source = next(sources)
+                except StopIteration:
+                    return
+                reader = None
+            else:
+                got, early = early, None
+                if got is _END:
+                    return
+                if isinstance(got, Exception):
+                    raise got
+                source, reader = got
+            url = source["url"]
+            stream = source["stream"]
+            try:
+                try:
+                    if reader is None:
+                        reader = _start(source, limit)
+                    if reader is None:
+                        yield from _tar_members(
+                            stream, url, _SKIP_META, handler, None, None, _extra(source)
+                        )
+                    else:
+                        for member in reader.items():
+                            yield member
+                            if early is None and reader.read_all:
+                                early = _take_next(sources, limit)
+                except BaseException:
+                    if reader is not None:
+                        reader.close()  # the thread is done with the stream
+                    _close_quietly(stream, url)
+                    raise
+                _close_stream(stream)
+            except Exception as exn:
+                go_on = handler(exn)
+                yield {BAD_SHARD: True, "__url__": url}
+                if go_on:
+                    continue
+                break
+            if eof_value is not None:
+                yield eof_value
+    finally:
+        if isinstance(early, tuple):  # abandoned with a shard taken ahead: not read
+            source, ahead = early
+            if ahead is not None:
+                ahead.close()
+            _close_quietly(source["stream"], source["url"])
+
+
+def _take_next(sources: Iterator[dict[str, Any]], limit: int) -> Any:
+    """The next source of ``sources`` and its read-ahead, started; _END; or the
+    exception taking it raised."""
+    try:
+        source = next(sources)
+    except StopIteration:
+        return _END
+    except Exception as exc:
+        return exc
+    try:
+        return source, _start(source, limit)
+    except Exception:
+        return source, None
 
 
 def group_by_keys(

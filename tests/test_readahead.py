@@ -206,6 +206,83 @@ def test_a_local_shard_is_read_ahead_of_the_consumer(tmp_path):
         files.close()
 
 
+def _sources(paths, opened, then=None, streams=None):
+    for path in paths:
+        opened.append(path)
+        stream = open(path, "rb")  # noqa: SIM115 - closed by the expander
+        if streams is not None:
+            streams.append(stream)
+        yield {"url": path, "stream": stream}
+    if then is not None:
+        raise then
+
+
+def _read_to_the_end(stream) -> None:
+    size = os.fstat(stream.fileno()).st_size
+    assert _wait_for(lambda: stream.closed or stream.tell() >= size)
+    time.sleep(0.05)
+
+
+def test_the_next_shard_is_opened_once_the_previous_is_read(tmp_path):
+    paths = []
+    for s in range(3):
+        paths.append(str(tmp_path / f"s{s}.tar"))
+        write_tar(paths[-1], [(f"s{s}k{i}.bin", bytes([s]) * 700) for i in range(5)])
+    opened: list[str] = []
+    streams: list = []
+    files = tar_file_expander(_sources(paths, opened, streams=streams), read_ahead=1 << 20)
+    got = [next(files)]
+    _read_to_the_end(streams[0])  # by the thread, while the consumer holds one file
+    got.append(next(files))
+    assert opened == paths[:2]  # s1 taken while s0's files are still being yielded
+    got += list(files)
+    opened2: list[str] = []
+    assert got == list(tar_file_expander(_sources(paths, opened2), read_ahead=0))
+    assert opened == opened2 == paths
+    assert not _ahead_threads()
+
+
+def test_an_error_of_the_next_source_taken_early_comes_where_it_would(tmp_path):
+    paths = [str(tmp_path / "a.tar")]
+    write_tar(paths[0], [(f"k{i}.x", bytes(300)) for i in range(4)])
+
+    def run(read_ahead):
+        got = []
+        files = tar_file_expander(
+            _sources(paths, [], then=RuntimeError("listing failed")), read_ahead=read_ahead
+        )
+        with pytest.raises(RuntimeError, match="listing failed"):
+            for f in files:
+                got.append(f)
+                time.sleep(0.02)
+        return got
+
+    assert run(1 << 20) == run(0)
+    assert run(1 << 20)[-1] == {}  # the shard's end marker before the error
+
+
+def test_a_consumer_that_stops_after_the_next_shard_was_taken_closes_it(tmp_path):
+    paths = []
+    for s in range(2):
+        paths.append(str(tmp_path / f"s{s}.tar"))
+        write_tar(paths[-1], [(f"k{i}.bin", bytes(3000)) for i in range(6)])
+    streams = []
+
+    def sources():
+        for path in paths:
+            streams.append(open(path, "rb"))  # noqa: SIM115 - closed by the expander
+            yield {"url": path, "stream": streams[-1]}
+
+    files = tar_file_expander(sources(), read_ahead=1 << 20)
+    next(files)
+    _read_to_the_end(streams[0])
+    next(files)
+    assert len(streams) == 2
+    files.close()
+    assert all(s.closed for s in streams)
+    assert not _ahead_threads()
+
+
 def test_the_limit_bounds_what_is_read_ahead():
     pulled = []
 
