@@ -17,10 +17,12 @@ status) that would happen in another thread.
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import stat
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -31,6 +33,17 @@ DEFAULT_READ_AHEAD = 8 << 20
 """Bytes of member data :class:`~shardcache.ShardDataset` reads ahead by default."""
 
 _DONE = object()
+
+_live: weakref.WeakSet[ReadAhead] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Stop the threads of iterations still open at exit (an iterator kept in a global),
+    while the interpreter still runs them: a daemon thread frozen at shutdown in the
+    middle of a read would hold its stream's lock when the stream is closed."""
+    for reader in list(_live):
+        reader.close()
 
 
 def regular_file(stream: Any) -> bool:
@@ -72,6 +85,7 @@ class ReadAhead:
         self._thread = threading.Thread(
             target=self._produce, name="shardcache-read-ahead", daemon=True
         )
+        _live.add(self)
         self._thread.start()
 
     def _produce(self) -> None:

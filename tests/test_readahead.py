@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import os
+import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -390,3 +392,26 @@ def test_read_ahead_must_be_a_count_of_bytes(tmp_path):
         with pytest.raises(ValueError, match="read_ahead"):
             ShardDataset(str(tmp_path / "s.tar"), read_ahead=bad)
     assert ShardDataset(str(tmp_path / "s.tar")).read_ahead == 8 << 20
+
+
+def test_an_iteration_left_open_at_exit_does_not_abort_the_interpreter(tmp_path):
+    paths = []
+    for s in range(2):
+        paths.append(str(tmp_path / f"s{s}.tar"))
+        write_tar(paths[-1], [(f"k{i}.bin", bytes(50_000)) for i in range(40)])
+    script = (
+        "import sys\n"
+        "from shardcache import ShardDataset\n"
+        "from shardcache.workers import WorkerEnvironment\n"
+        f"ds = ShardDataset({paths!r}, read_ahead=100_000, plan=False,\n"
+        "                  env=WorkerEnvironment(0, 1, 0, 1))\n"
+        "IT = iter(ds)\n"
+        "next(IT)\n"
+    )
+    for end in ("", "sys.exit(0)\n"):
+        done = subprocess.run(
+            [sys.executable, "-c", script + end], capture_output=True, text=True, timeout=60
+        )
+        # a daemon thread frozen mid-read at shutdown made closing its stream abort
+        assert done.returncode == 0, done.stderr
+        assert "Fatal Python error" not in done.stderr
