@@ -85,8 +85,8 @@ class ReadAhead:
         self._thread = threading.Thread(
             target=self._produce, name="shardcache-read-ahead", daemon=True
         )
+        self._thread.start()  # RuntimeError when no thread can be started
         _live.add(self)
-        self._thread.start()
 
     def _produce(self) -> None:
         cond, items, limit = self._cond, self._items, self._limit

@@ -180,14 +180,18 @@ def _extra(source: dict[str, Any]) -> dict[str, Any]:
 
 def _start(source: dict[str, Any], limit: int) -> ReadAhead | None:
     """A :class:`ReadAhead` over the members of ``source``'s stream when it is a local
-    regular file, else None (read where it is consumed)."""
+    regular file and a thread can be started, else None (read where it is consumed)."""
     stream = source["stream"]
     if not regular_file(stream):
         return None
     members = _tar_members(
         stream, source["url"], _SKIP_META, reraise_exception, None, None, _extra(source)
     )
-    return ReadAhead(members, limit)
+    try:
+        return ReadAhead(members, limit)
+    except RuntimeError as exc:  # no thread to be had: read it here
+        log.debug("%s: read without read-ahead: %s", source["url"], exc)
+        return None
 
 
 def _expand_ahead(
@@ -264,10 +268,7 @@ def _take_next(sources: Iterator[dict[str, Any]], limit: int) -> Any:
         return _END
     except Exception as exc:
         return exc
-    try:
-        return source, _start(source, limit)
-    except Exception:
-        return source, None
+    return source, _start(source, limit)
 
 
 def group_by_keys(

@@ -415,3 +415,16 @@ def test_an_iteration_left_open_at_exit_does_not_abort_the_interpreter(tmp_path)
         # a daemon thread frozen mid-read at shutdown made closing its stream abort
         assert done.returncode == 0, done.stderr
         assert "Fatal Python error" not in done.stderr
+
+
+def test_without_a_thread_to_be_had_the_shard_is_read_in_place(tmp_path, monkeypatch):
+    paths = []
+    for s in range(2):
+        paths.append(str(tmp_path / f"s{s}.tar"))
+        write_tar(paths[-1], [(f"s{s}k{i}.x", bytes([i]) * 600) for i in range(3)])
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)  # fault injection
+    assert _samples(paths, 1 << 20) == wds_samples(paths)
