@@ -394,6 +394,7 @@ def test_read_ahead_must_be_a_count_of_bytes(tmp_path):
     assert ShardDataset(str(tmp_path / "s.tar")).read_ahead == 8 << 20
 
 
+@pytest.mark.slow  # starts an interpreter
 def test_an_iteration_left_open_at_exit_does_not_abort_the_interpreter(tmp_path):
     paths = []
     for s in range(2):
