@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 from shardcache.errors import ShardFormatError
 from shardcache.gopen import gopen
 from shardcache.handlers import reraise_exception
+from shardcache.readahead import ReadAhead, regular_file
 from shardcache.tarreader import Handler, _tar_members
 
 __all__ = [
@@ -117,6 +118,8 @@ def tar_file_expander(
     select_files: Callable[[str], bool] | None = None,
     rename_files: Callable[[str], str] | None = None,
     eof_value: dict[str, Any] | None = {},  # noqa: B006 - a marker, never mutated
+    *,
+    read_ahead: int = 0,
 ) -> Iterator[dict[str, Any]]:
     """Expand ``dict(url=, stream=[, local_path=])`` items into the files of each tar.
 
@@ -126,7 +129,18 @@ def tar_file_expander(
     fails, ``handler`` decides: raise, continue with the next shard (True) or stop
     (False); before going on, a ``{BAD_SHARD: True}`` marker tells
     :func:`group_by_keys` to drop the shard's unfinished sample.
+
+    ``read_ahead`` (bytes, default 0: off): a shard that is a local regular file is read
+    by a thread, at most that many bytes of member data ahead of the consumer
+    (:class:`shardcache.readahead.ReadAhead`); once it is read to its end, the next
+    shard is asked for from ``data`` (which may close the one read) and its reading
+    starts while the last files of the previous one are yielded. The files, errors and
+    their order are the same. Not with ``select_files`` or ``rename_files`` (they are
+    called as the members are read, and stay in the consumer's thread).
     """
+    if read_ahead > 0 and select_files is None and rename_files is None:
+        yield from _expand_ahead(data, handler, eof_value, read_ahead)
+        return
     for source in data:
         url = source["url"]
         stream = source["stream"]
@@ -151,6 +165,110 @@ def tar_file_expander(
             break
         if eof_value is not None:
             yield eof_value
+
+
+_END = object()  # no shard after this one
+
+
+def _extra(source: dict[str, Any]) -> dict[str, Any]:
+    extra = {"__url__": source["url"]}
+    local_path = source.get("local_path")
+    if local_path is not None:
+        extra["__local_path__"] = local_path
+    return extra
+
+
+def _start(source: dict[str, Any], limit: int) -> ReadAhead | None:
+    """A :class:`ReadAhead` over the members of ``source``'s stream when it is a local
+    regular file and a thread can be started, else None (read where it is consumed)."""
+    stream = source["stream"]
+    if not regular_file(stream):
+        return None
+    members = _tar_members(
+        stream, source["url"], _SKIP_META, reraise_exception, None, None, _extra(source)
+    )
+    try:
+        return ReadAhead(members, limit)
+    except RuntimeError as exc:  # no thread to be had: read it here
+        log.debug("%s: read without read-ahead: %s", source["url"], exc)
+        return None
+
+
+def _expand_ahead(
+    data: Iterable[dict[str, Any]],
+    handler: Handler,
+    eof_value: dict[str, Any] | None,
+    limit: int,
+) -> Iterator[dict[str, Any]]:
+    """:func:`tar_file_expander` with read-ahead: the same files, markers and errors in
+    the same order. A shard's next one is taken from ``data`` (and its read-ahead
+    started) once the shard is read to its end; what ``data`` raises then is raised
+    where the loop would have taken it."""
+    sources = iter(data)
+    early: Any = None  # (source, ReadAhead or None), _END, or what next(sources) raised
+    reader: ReadAhead | None = None
+    try:
+        while True:
+            if early is None:
+                try:
+                    source = next(sources)
+                except StopIteration:
+                    return
+                reader = None
+            else:
+                got, early = early, None
+                if got is _END:
+                    return
+                if isinstance(got, Exception):
+                    raise got
+                source, reader = got
+            url = source["url"]
+            stream = source["stream"]
+            try:
+                try:
+                    if reader is None:
+                        reader = _start(source, limit)
+                    if reader is None:
+                        yield from _tar_members(
+                            stream, url, _SKIP_META, handler, None, None, _extra(source)
+                        )
+                    else:
+                        for member in reader.items():
+                            yield member
+                            if early is None and reader.read_all:
+                                early = _take_next(sources, limit)
+                except BaseException:
+                    if reader is not None:
+                        reader.close()  # the thread is done with the stream
+                    _close_quietly(stream, url)
+                    raise
+                _close_stream(stream)
+            except Exception as exn:
+                go_on = handler(exn)
+                yield {BAD_SHARD: True, "__url__": url}
+                if go_on:
+                    continue
+                break
+            if eof_value is not None:
+                yield eof_value
+    finally:
+        if isinstance(early, tuple):  # abandoned with a shard taken ahead: not read
+            source, ahead = early
+            if ahead is not None:
+                ahead.close()
+            _close_quietly(source["stream"], source["url"])
+
+
+def _take_next(sources: Iterator[dict[str, Any]], limit: int) -> Any:
+    """The next source of ``sources`` and its read-ahead, started; _END; or the
+    exception taking it raised."""
+    try:
+        source = next(sources)
+    except StopIteration:
+        return _END
+    except Exception as exc:
+        return exc
+    return source, _start(source, limit)
 
 
 def group_by_keys(

@@ -59,6 +59,15 @@ def _nti(field: bytes, url: str, offset: int, what: str) -> int:
         ) from exc
 
 
+def _byte_sum(block: bytes) -> int:
+    """``sum(block)`` computed in C for a header block: the low half of zlib's Adler-32
+    is 1 + the sum of the bytes modulo 65521, and the sum of 256 bytes (65280 at most)
+    is below that modulus. A sixth of the time of ``sum`` on a 512-byte block."""
+    if len(block) != BLOCKSIZE:
+        return sum(block)
+    return (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
+
+
 def _nts(field: bytes) -> str:
     return tarfile.nts(field, _ENCODING, _ERRORS)
 
@@ -220,7 +229,8 @@ class _TarReader:
         """
         url = self.url
         chksum = _nti(buf[148:156], url, offset, "checksum")
-        if chksum != 256 + sum(buf) - sum(buf[148:156]) and chksum not in tarfile.calc_chksums(buf):
+        unsigned = 256 + _byte_sum(buf) - sum(buf[148:156])  # the checksum field as spaces
+        if chksum != unsigned and chksum not in tarfile.calc_chksums(buf):
             raise ShardFormatError(f"{url}: corrupt tar header at offset {offset}: bad checksum")
         size = _nti(buf[124:136], url, offset, "size")
         typ = buf[156:157]

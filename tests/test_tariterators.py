@@ -34,6 +34,7 @@ from shardcache.tariterators import (
     url_opener,
     valid_sample,
 )
+from shardcache.tarreader import _byte_sum
 from shardcache.urls import shardlist
 
 pytestmark = pytest.mark.fast
@@ -317,6 +318,24 @@ def test_corrupt_header_raises(shard):
     bad = path.parent / "bad.tar"
     bad.write_bytes(bytes(data))
     with pytest.raises(ShardFormatError, match="bad.tar.*checksum"):
+        ours(str(bad))
+
+
+@HYPOTHESIS
+@given(block=st.binary(min_size=512, max_size=512) | st.binary(max_size=1100))
+def test_the_header_checksum_sum_is_sum(block):
+    assert _byte_sum(block) == sum(block)
+    assert _byte_sum(b"\xff" * 512) == 255 * 512 and _byte_sum(bytes(512)) == 0
+
+
+@pytest.mark.parametrize("flip", [0, 100, 148, 152, 156, 300, 511])
+def test_a_changed_header_byte_is_a_bad_checksum(shard, flip):
+    path, _, _ = shard
+    data = bytearray(path.read_bytes())
+    data[512 * 3 + flip] ^= 0x01  # in the header of k1.cls
+    bad = path.parent / "flip.tar"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ShardFormatError, match="flip.tar"):
         ours(str(bad))
 
 
