@@ -3,18 +3,28 @@ store of N entries, the index seeded directly (no N downloads).
 
     .venv/bin/python bench/index_scale.py                       # 100,000 and 1,000,000
     .venv/bin/python bench/index_scale.py --sizes 100000 --runs 3
-    .venv/bin/python bench/index_scale.py --sizes 100000,1000000,10000000 --links --tmp /big/disk
+    .venv/bin/python bench/index_scale.py --sizes 100000,1000000,8000000 --links --tmp /big/disk
 
-Seeding: a :class:`~shardcache.store.Store` makes the empty index, then N rows are
-inserted in one transaction (URL ``<origin>/obj/<i>``, key ``shard_uuid`` of it,
-``--size`` bytes, distinct access times; ``executemany`` of 50,000 rows, the two
-eviction-order indexes made again after the rows) while ``--procs`` forked processes
-create the N sparse files of that size (``ftruncate``: no data blocks), or with
-``--links`` hard links of one sparse file per 60,000 names (one system call and no
-inode per name: 10M entries in minutes; the store compares a file's size and, for its
-memo, its inode and times, each name with its own row, so shared inodes change nothing
-it checks). The store on disk is consistent, as after a clean shutdown. ``--cache-size``
-is exactly the seeded bytes: the cache is full, and every miss evicts an entry.
+Seeding: a :class:`~shardcache.store.Store` makes the empty index; the N names are
+hashed once (MD5, as ``shard_uuid``), then N rows are inserted in key order in one
+transaction (URL ``<origin>/obj/<i>``, key ``shard_uuid`` of it, ``--size`` bytes,
+distinct access times; ``executemany`` of 50,000 rows, no journal, the eviction-order
+indexes and the totals triggers made again after the rows, the index put back in WAL
+mode) while ``--procs`` forked processes create the N sparse files of that size
+(``ftruncate``: no data blocks), or with ``--links`` hard links of one sparse file per
+60,000 names (one system call and no inode per name: 8M entries in 3 minutes on a
+quiet 2-CPU VM, 8 at a load of 15-20; the store compares a file's size and, for its memo, its inode and
+times, each name with its own row, so shared inodes change nothing it checks, but for
+one thing: an eviction's unlink changes the shared inode's ctime, after which this
+process's memo reads a sibling's row again once — each run's hits come before its
+misses, in a new process, so the figures do not see it). The store on disk is
+consistent, as after a clean shutdown. ``--cache-size`` is exactly the
+seeded bytes: the cache is full, and every miss evicts an entry.
+
+The store keeps every entry in one directory: on ext4 without the ``large_dir``
+feature (a two-level hashed directory) that directory holds ~9.4M such names, then
+any new name fails with ENOSPC whatever the free space (seeding 10M stopped at 9.36M
+on a 4 KiB-block ext4): N = 10M needs ``large_dir``, XFS or tmpfs.
 
 For each N, ``--runs`` times: ``shardcache serve`` is spawned on the directory and timed
 to the first 200 of ``GET /-/readyz`` (restart to ready); its ``VmRSS`` is read when
@@ -35,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import http.client
 import http.server
 import json
@@ -50,6 +61,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,9 +81,10 @@ def free_port() -> int:
 
 
 class Origin:
-    """A local origin: ``GET /obj/<name>`` answers ``size`` bytes; requests are counted."""
+    """A local origin: ``GET /obj/<name>`` answers ``size`` bytes; requests are counted.
+    On ``port`` (0: any free one)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, port: int = 0) -> None:
         self.size = size
         self.requests = 0
         origin = self
@@ -97,7 +110,7 @@ class Origin:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -108,55 +121,102 @@ class Origin:
         self.server.server_close()
 
 
-def _row(origin: str, i: int, n: int, size: int, now: float, order: list[int] | None) -> tuple:
+NS_URL = uuid.NAMESPACE_URL.bytes
+
+
+def digests(origin: str, n: int) -> bytearray:
+    """The 16 bytes of ``shard_uuid(f"{origin}/obj/{i}")`` for ``i`` in ``0..n-1``, one
+    after another: MD5 straight from hashlib, then the version and variant bits set for
+    all rows at once (``uuid.uuid3`` takes ~3x as long a name)."""
+    import numpy as np
+
+    out = bytearray(16 * n)
+    md5 = hashlib.md5
+    prefix = NS_URL + f"{origin}/obj/".encode()
+    for i in range(n):
+        out[16 * i : 16 * i + 16] = md5(prefix + str(i).encode()).digest()
+    a = np.frombuffer(out, dtype=np.uint8).reshape(n, 16)
+    a[:, 6] = (a[:, 6] & 0x0F) | 0x30
+    a[:, 8] = (a[:, 8] & 0x3F) | 0x80
+    return out
+
+
+def name_of(raw: bytes | bytearray | memoryview) -> str:
+    """The text form of a UUID's 16 bytes, as ``str(uuid.UUID(bytes=raw))``."""
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def key_order(raw: bytearray, n: int) -> list[int]:
+    """The indexes ``0..n-1`` in the order of their keys (the UUIDs' text sorts as their
+    bytes do): rows inserted in that order append to the key index instead of landing
+    at random in a B-tree larger than the page cache."""
+    import numpy as np
+
+    words = np.frombuffer(raw, dtype=">u8").reshape(n, 2)
+    return np.lexsort((words[:, 1], words[:, 0])).tolist()
+
+
+def _row(
+    origin: str, i: int, n: int, size: int, now: float, order: list[int] | None, key: str
+) -> tuple:
     """The index row of seeded object ``i`` (ENTRY_COLS order)."""
     url = f"{origin}/obj/{i}"
     created = now + i * 1e-3
     # access order unrelated to the names (a shuffle when it fits in memory, else a
     # fixed permutation of the indexes: multiplication by a prime not dividing n)
     access = order[i] if order is not None else (i * PERMUTE) % n
-    return (shard_uuid(url), url, size, None, None, "application/x-tar", created,
+    return (key, url, size, None, None, "application/x-tar", created,
             now + access * 1e-3, 0, created, None, None)  # fmt: skip
 
 
-def _make_files(base: str, origin: str, lo: int, hi: int, size: int, links: bool) -> None:
-    """The files of objects ``lo`` to ``hi - 1``: sparse files of ``size`` bytes, each
-    its own inode, or with ``links`` hard links of one sparse file per LINKS_PER_INODE
-    names (a link is one system call and no inode)."""
-    src = None
-    for i in range(lo, hi):
-        path = os.path.join(base, shard_uuid(f"{origin}/obj/{i}"))
-        if links:
-            if src is None or i % LINKS_PER_INODE == 0:
-                src = path
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                os.ftruncate(fd, size)
-                os.close(fd)
-            else:
-                os.link(src, path)
-            continue
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        os.ftruncate(fd, size)
-        os.close(fd)
+def _make_files(base: str, raw: bytearray, lo: int, hi: int, size: int, links: bool) -> None:
+    """The files of objects ``lo`` to ``hi - 1`` (names from ``raw``, see
+    :func:`digests`): sparse files of ``size`` bytes, each its own inode, or with
+    ``links`` hard links of one sparse file per LINKS_PER_INODE names (a link is one
+    system call and no inode). Names relative to the directory's descriptor: no path
+    walk per name."""
+    dfd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    view = memoryview(raw)
+    link, flags = os.link, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    try:
+        src = None
+        for i in range(lo, hi):
+            name = name_of(view[16 * i : 16 * i + 16])
+            if links and src is not None and (i - lo) % LINKS_PER_INODE:
+                link(src, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                continue
+            fd = os.open(name, flags, 0o644, dir_fd=dfd)
+            os.ftruncate(fd, size)
+            os.close(fd)
+            src = name
+    finally:
+        os.close(dfd)
 
 
 LINKS_PER_INODE = 60_000  # ext4 allows 65,000 links to an inode
 ORDER_IN_MEMORY = 2_000_000  # up to this many entries, access times are a shuffle
 PERMUTE = 1_000_003  # a prime: i -> i * PERMUTE mod n permutes 0..n-1 unless it divides n
+CHUNK = 50_000  # rows per executemany
 
 
 def seed(
-    cache_dir: Path, origin: str, n: int, size: int, procs: int = 3, links: bool = False
+    cache_dir: Path, origin: str, n: int, size: int, procs: int = 2, links: bool = False
 ) -> float:
     """An index of ``n`` rows and their ``n`` sparse files; returns the seconds taken.
 
-    The files are made by ``procs`` processes while this one writes the rows: one
-    transaction, ``executemany`` of 50,000 rows at a time, the two eviction-order indexes
-    dropped meanwhile and made again at the end (a sort instead of ``n`` random inserts).
+    The names are hashed once, here, before ``procs`` forked processes make the files
+    from them while this one writes the rows in key order (appends to the key index),
+    in one transaction, ``executemany`` of CHUNK rows at a time, with the eviction-order
+    indexes and the totals triggers dropped meanwhile and made again at the end (a sort
+    instead of ``n`` random inserts; the totals added once), and no rollback journal
+    nor syncs while loading (a seed that fails is deleted, never used): the index is
+    then put back in WAL mode, as the store keeps it.
     """
     t0 = time.monotonic()
     with Store(cache_dir, reconcile=False) as store:
         store.used()  # the schema, as this shardcache makes it
+    raw = digests(origin, n)
     base = str(cache_dir)
     step = -(-n // max(1, procs))
     makers = []
@@ -165,7 +225,7 @@ def seed(
         if pid == 0:  # a child: its share of the files, then out
             code = 0
             try:
-                _make_files(base, origin, lo, min(n, lo + step), size, links)
+                _make_files(base, raw, lo, min(n, lo + step), size, links)
             except BaseException:  # noqa: BLE001 - reported through the exit status
                 import traceback
 
@@ -173,36 +233,57 @@ def seed(
                 code = 1
             os._exit(code)
         makers.append(pid)
-    conn = sqlite3.connect(cache_dir / INDEX_NAME, isolation_level=None)
-    conn.execute("PRAGMA cache_size = -262144")  # 256 MiB: the key index stays in memory
-    indexes = conn.execute(
-        "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'entries' "
-        "AND sql IS NOT NULL"
-    ).fetchall()
-    now = time.time() - 86400
-    order = None
-    if n <= ORDER_IN_MEMORY:
-        order = list(range(n))
-        random.Random(n).shuffle(order)
-    conn.execute("BEGIN IMMEDIATE")
-    for name, _ in indexes:
-        conn.execute(f"DROP INDEX {name}")
-    chunk = 50_000
-    for start in range(0, n, chunk):
-        conn.executemany(
-            "INSERT INTO entries (key, url, size, etag, last_modified, content_type, created, "
-            "last_access, hits, validated, fields, digests) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-            [_row(origin, i, n, size, now, order) for i in range(start, min(n, start + chunk))],
-        )
-    for _, sql in indexes:
-        conn.execute(sql)
-    conn.execute("COMMIT")
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    conn.close()
-    failed = sum(os.waitpid(pid, 0)[1] != 0 for pid in makers)
+    try:
+        _seed_rows(cache_dir, origin, n, size, raw)
+    finally:
+        failed = sum(os.waitpid(pid, 0)[1] != 0 for pid in makers)
     if failed:
         raise RuntimeError(f"{failed} of the processes making the files failed")
     return time.monotonic() - t0
+
+
+def _seed_rows(cache_dir: Path, origin: str, n: int, size: int, raw: bytearray) -> None:
+    """The ``n`` rows of :func:`seed`, in key order, in one transaction."""
+    conn = sqlite3.connect(cache_dir / INDEX_NAME, isolation_level=None)
+    try:
+        conn.execute("PRAGMA cache_size = -262144")  # 256 MiB
+        conn.execute("PRAGMA journal_mode = OFF")
+        conn.execute("PRAGMA synchronous = OFF")
+        # the indexes and triggers on entries the store made, made again after the rows
+        schema = conn.execute(
+            "SELECT type, name, sql FROM sqlite_master WHERE type IN ('index', 'trigger') "
+            "AND tbl_name = 'entries' AND sql IS NOT NULL"
+        ).fetchall()
+        now = time.time() - 86400
+        order = None
+        if n <= ORDER_IN_MEMORY:
+            order = list(range(n))
+            random.Random(n).shuffle(order)
+        by_key = key_order(raw, n)
+        view = memoryview(raw)
+        conn.execute("BEGIN IMMEDIATE")
+        for kind, name, _ in schema:
+            conn.execute(f"DROP {kind.upper()} {name}")
+        for start in range(0, n, CHUNK):
+            conn.executemany(
+                "INSERT INTO entries (key, url, size, etag, last_modified, content_type, "
+                "created, last_access, hits, validated, fields, digests) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                [
+                    _row(origin, i, n, size, now, order, name_of(view[16 * i : 16 * i + 16]))
+                    for i in by_key[start : start + CHUNK]
+                ],
+            )
+        conn.execute(
+            "UPDATE totals SET entries = entries + ?, bytes = bytes + ? WHERE id = 0",
+            (n, n * size),
+        )
+        for _, _, sql in schema:
+            conn.execute(sql)
+        conn.execute("COMMIT")
+        conn.execute("PRAGMA journal_mode = WAL")
+    finally:
+        conn.close()
 
 
 def rss_mb(pid: int) -> float:
@@ -337,6 +418,20 @@ def crash_run(
     }
 
 
+def warm(cache_dir: Path) -> float:
+    """Read the index and list the directory (``--warm``), so that the page cache holds
+    what hits and misses read, when it can; returns the seconds taken."""
+    t0 = time.monotonic()
+    for path in sorted(cache_dir.glob(f"{INDEX_NAME}*")):
+        with open(path, "rb", buffering=0) as f:
+            while f.read(1 << 20):
+                pass
+    with os.scandir(cache_dir) as it:
+        for _ in it:
+            pass
+    return time.monotonic() - t0
+
+
 def one_run(
     args: argparse.Namespace, cache_dir: Path, origin: Origin, n: int, log: Path, run: int
 ) -> dict[str, float]:
@@ -354,11 +449,13 @@ def one_run(
                 if len(paths) == args.hits:
                     break
         errors: list[str] = []
+        warmed = warm(cache_dir) if args.warm else 0.0
         hit = timed_gets(port, paths, time.monotonic() + args.phase_time, errors)
         if origin.requests != before:
             raise RuntimeError(f"{origin.requests - before} hits reached the origin")
         rss_hits = rss_mb(proc.pid)
-        paths = [f"/obj/new-{n}-{run}-{i}" for i in range(args.misses)]
+        # new names in every process: a --reuse run must not find an earlier run's misses
+        paths = [f"/obj/new-{n}-{run}-{os.getpid()}-{i}" for i in range(args.misses)]
         miss = timed_gets(port, paths, time.monotonic() + args.phase_time, errors)
         if origin.requests - before < len(miss):
             raise RuntimeError("misses did not reach the origin")
@@ -378,10 +475,58 @@ def one_run(
         "hit_p99": pct(hit, 0.99) * 1e3,
         "miss_p50": pct(miss, 0.5) * 1e3,
         "miss_p99": pct(miss, 0.99) * 1e3,
+        "warm_s": warmed,
         "hits": len(hit),
         "misses": len(miss),
         "errors": len(errors),
     }
+
+
+def seeded_port(cache_dir: Path) -> int:
+    """The port of the origin a seeded cache's URLs name (``--reuse``)."""
+    conn = sqlite3.connect(f"file:{cache_dir / INDEX_NAME}?mode=ro", uri=True)
+    try:
+        (url,) = conn.execute("SELECT url FROM entries WHERE url LIKE '%/obj/%' LIMIT 1").fetchone()
+    finally:
+        conn.close()
+    return int(url.split("/")[2].rsplit(":", 1)[1])
+
+
+def summary(runs: list[dict[str, float]], crashes: list[dict[str, float]]) -> dict[str, float]:
+    """Medians of the runs and of the restarts after a crash (but their load)."""
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    if crashes:
+        out.update({k: statistics.median(r[k] for r in crashes) for k in crashes[0] if k != "load"})
+    return out
+
+
+def interleaved(
+    args: argparse.Namespace,
+    tmp: Path,
+    origin: Origin,
+    sizes: list[int],
+    log: Path,
+    results: dict[int, dict[str, float]],
+) -> None:
+    """``--reuse``: each run, then each restart after a crash, made for every N in turn."""
+    runs: dict[int, list[dict[str, float]]] = {n: [] for n in sizes}
+    crashes: dict[int, list[dict[str, float]]] = {n: [] for n in sizes}
+    for run in range(args.runs):
+        for n in sizes:
+            r = one_run(args, tmp / f"cache-{n}", origin, n, log, run)
+            r["load"] = os.getloadavg()[0]
+            print(f"N={n:,} run {run + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()),
+                  flush=True)  # fmt: skip
+            runs[n].append(r)
+    for run in range(args.crash_runs):
+        for n in sizes:
+            r = crash_run(args, tmp / f"cache-{n}", origin, n, log)
+            r["load"] = os.getloadavg()[0]
+            print(f"N={n:,} after a crash {run + 1}: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in r.items()), flush=True)  # fmt: skip
+            crashes[n].append(r)
+    for n in sizes:
+        results[n] = summary(runs[n], crashes[n])
 
 
 def main() -> None:
@@ -405,20 +550,40 @@ def main() -> None:
         "--links",
         action="store_true",
         help="seed hard links of one sparse file per 60,000 names instead of a file each "
-        "(a link is a single system call and no inode: 10M entries in minutes)",
+        "(a link is a single system call and no inode: millions of entries in minutes)",
     )
-    ap.add_argument("--procs", type=int, default=3, help="processes making the files")
+    ap.add_argument("--procs", type=int, default=2, help="processes making the files")
     ap.add_argument("--keep", action="store_true", help="leave the seeded cache in place")
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="before each run's hits, read the index and list the directory, so that "
+        "the page cache holds them if it can: latency without disk reads, where it fits",
+    )
+    ap.add_argument(
+        "--reuse",
+        default=None,
+        help="measure the caches an earlier --keep run left in this directory (its "
+        "cache-<N> for each of --sizes) instead of seeding, the sizes taken in turn within "
+        "each run (the same load for every N); deleted at the end unless --keep",
+    )
     args = ap.parse_args()
     sizes = [int(s.replace("_", "")) for s in args.sizes.split(",") if s]
-    origin = Origin(args.size)
     results: dict[int, dict[str, float]] = {}
     seeded: dict[int, float] = {}
-    tmp = Path(tempfile.mkdtemp(prefix="index-scale-", dir=args.tmp))
+    if args.reuse:
+        tmp = Path(args.reuse)
+        origin = Origin(args.size, seeded_port(tmp / f"cache-{sizes[0]}"))
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="index-scale-", dir=args.tmp))
+        origin = Origin(args.size)
     log = tmp.parent / f"{tmp.name}.proxy.log"  # kept: the proxies' output
     print(f"proxy output: {log}", flush=True)
     try:
-        for n in sizes:
+        if args.reuse:
+            interleaved(args, tmp, origin, sizes, log, results)
+            seeded.update((n, float("nan")) for n in sizes)
+        for n in sizes if not args.reuse else []:
             cache_dir = tmp / f"cache-{n}"
             seeded[n] = seed(cache_dir, origin.base, n, args.size, args.procs, args.links)
             print(f"N={n:,}: seeded in {seeded[n]:.1f} s", flush=True)
@@ -429,7 +594,6 @@ def main() -> None:
                 print(f"  run {run + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()),
                       flush=True)  # fmt: skip
                 runs.append(r)
-            results[n] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             crashes = []
             for run in range(args.crash_runs):
                 r = crash_run(args, cache_dir, origin, n, log)
@@ -437,10 +601,7 @@ def main() -> None:
                 print(f"  after a crash {run + 1}: "
                       + ", ".join(f"{k} {v:.2f}" for k, v in r.items()), flush=True)  # fmt: skip
                 crashes.append(r)
-            if crashes:
-                results[n].update(
-                    {k: statistics.median(r[k] for r in crashes) for k in crashes[0] if k != "load"}
-                )
+            results[n] = summary(runs, crashes)
             if not args.keep:
                 t0 = time.monotonic()
                 shutil.rmtree(cache_dir)
@@ -448,7 +609,10 @@ def main() -> None:
     finally:
         origin.close()
         if not args.keep:
+            t0 = time.monotonic()
             shutil.rmtree(tmp, ignore_errors=True)
+            if args.reuse:
+                print(f"removed in {time.monotonic() - t0:.1f} s", flush=True)
     print()
     print(f"{args.size}-byte entries ({'hard links' if args.links else 'a file each'}), "
           f"{args.runs} runs per N (medians), {args.hits} hits, {args.misses} evicting misses, "
@@ -460,7 +624,7 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, r in results.items():
         print(
-            f"| {n:,} | {seeded[n]:.0f} s | {r['ready_s']:.2f} s | {r['rss_ready']:.0f} MB "
+            f"| {n:,} | {'-' if args.reuse else f'{seeded[n]:.0f} s'} | {r['ready_s']:.2f} s | {r['rss_ready']:.0f} MB "
             f"| {r['rss_hits']:.0f} MB | {r['rss_misses']:.0f} MB "
             f"| {r['hit_p50']:.2f} / {r['hit_p99']:.2f} ms "
             f"| {r['miss_p50']:.1f} / {r['miss_p99']:.1f} ms ({r['misses']:.0f}) "
