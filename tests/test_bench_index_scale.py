@@ -12,8 +12,10 @@ import pytest
 
 from shardcache.store import INDEX_NAME, Store, shard_uuid
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import index_scale  # noqa: E402
+# the repository root, as the other benchmark tests do: bench/ itself on the path would
+# make bench/dbcache.py shadow the dbcache package for every later test
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import index_scale  # noqa: E402
 
 ORIGIN = "http://127.0.0.1:9"
 
