@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from pathlib import Path
 
 from shardcache.errors import CacheError, IncompleteDownloadError, NoRoomError
 from shardcache.meta import ObjectMeta
@@ -58,7 +59,7 @@ class Downloads(Space):
         if need > self.cache_size:
             return None
         name = part_name(key)
-        path = self.cache_dir / name
+        path = self._place(name)  # beside its entry: the commit's rename stays in one directory
         planned = self._planned()  # outside the transaction: it may take a while
         with self._tx() as conn:
             dead = self._drop_dead_reservations(conn)
@@ -85,8 +86,15 @@ class Downloads(Space):
         self._finish_evictions(evicted)
         partial = Partial(url=url, key=key, path=path, expected_size=expected_size, reserved=need)
         try:
-            with open(path, "xb"):
-                pass
+            try:
+                with open(path, "xb"):
+                    pass
+            except FileNotFoundError:
+                if path.parent == self.cache_dir:
+                    raise
+                path.parent.mkdir(exist_ok=True)  # a fan-out subdirectory removed by hand
+                with open(path, "xb"):
+                    pass
         except OSError as exc:
             with contextlib.suppress(CacheError):
                 self.abort(partial)
@@ -174,7 +182,7 @@ class Downloads(Space):
             raise store_write_error("commit", partial.path, exc) or CacheError(
                 f"{partial.path}: cannot flush download: {exc}"
             ) from exc
-        target = self.cache_dir / partial.key
+        target = self._place(partial.key)
         # A new version of a cached URL: the old entry goes first, in a transaction of its
         # own. Renaming the new file over the old one inside the transaction that updates
         # the row would leave, after a crash between the rename and the commit, the new
@@ -221,16 +229,17 @@ class Downloads(Space):
             raise
         partial.reserved = 0
         self._finish_evictions(evicted)
-        self._fsync_dir()
-        entry = row_to_entry(self.cache_dir, row)
+        self._fsync_dir(target.parent)
+        entry = row_to_entry(self.cache_dir, row, self.layout)
         self._mem.put(entry, stamp)
         with self._touch_lock:
             self._touched.pop(partial.key, None)  # accesses of a replaced entry
         return entry
 
-    def _fsync_dir(self) -> None:
+    def _fsync_dir(self, directory: Path) -> None:
+        """Make the rename into ``directory`` (the entry's own) durable."""
         with contextlib.suppress(OSError):
-            fd = os.open(self.cache_dir, os.O_RDONLY)
+            fd = os.open(directory, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
