@@ -452,3 +452,21 @@ def test_bench_index_scale_seeds_a_consistent_fanout_store(tmp_path, links):
         entry = store.lookup("http://o/obj/7")
         assert entry is not None and entry.path.parent.name == entry.key[:2]
     assert not [n for n in os.listdir(cache) if len(n) == 36]
+
+
+def test_an_index_another_process_made_meanwhile_keeps_its_layout(tmp_path):
+    # two processes create one cache: the second read user_version 0 before the first
+    # made the index, and migrates after it: the fan-out record and format stay
+    cache = tmp_path / "c"
+    first = Store(cache, layout="fanout")
+    second = Store.__new__(Store)
+    second.cache_dir, second._asked_layout = cache, "flat"
+    conn = sqlite3.connect(cache / INDEX_NAME, isolation_level=None)
+    try:
+        Store._migrate(second, conn, 0)
+    finally:
+        conn.close()
+    first.close()
+    assert user_version(cache) == FANOUT_FORMAT
+    with pytest.raises(StoreUnusable, match="created with the fanout layout"):
+        Store(cache, layout="flat")

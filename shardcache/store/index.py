@@ -174,6 +174,11 @@ class Index:
         """Create the tables, or bring an index of an older format up to this one."""
         conn.execute("BEGIN IMMEDIATE")
         try:
+            if conn.execute("PRAGMA user_version").fetchone()[0] >= FORMAT_VERSION:
+                # made or migrated by another process since the version was read: a
+                # fan-out index must not be taken for an older one (and made format 4)
+                conn.execute("COMMIT")
+                return
             existed = conn.execute(
                 "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'entries'"
             ).fetchone()
