@@ -4,7 +4,6 @@ store of N entries, the index seeded directly (no N downloads).
     .venv/bin/python bench/index_scale.py                       # 100,000 and 1,000,000
     .venv/bin/python bench/index_scale.py --sizes 100000 --runs 3
     .venv/bin/python bench/index_scale.py --sizes 100000,1000000,10000000 --links --tmp /big/disk
-    .venv/bin/python bench/index_scale.py --sizes 10000000 --links --cache-layout fanout
 
 Seeding: a :class:`~shardcache.store.Store` makes the empty index, then N rows are
 inserted in one transaction (URL ``<origin>/obj/<i>``, key ``shard_uuid`` of it,
@@ -14,10 +13,7 @@ create the N sparse files of that size (``ftruncate``: no data blocks), or with
 ``--links`` hard links of one sparse file per 60,000 names (one system call and no
 inode per name: 10M entries in minutes; the store compares a file's size and, for its
 memo, its inode and times, each name with its own row, so shared inodes change nothing
-it checks). With ``--cache-layout fanout`` the store is created in the fan-out layout and
-each file goes to the subdirectory of its key (hard links across them: one filesystem);
-the default, flat, puts them all in one directory, which on ext4 without ``large_dir``
-holds only ~9.4M names. The store on disk is consistent, as after a clean shutdown. ``--cache-size``
+it checks). The store on disk is consistent, as after a clean shutdown. ``--cache-size``
 is exactly the seeded bytes: the cache is full, and every miss evicts an entry.
 
 For each N, ``--runs`` times: ``shardcache serve`` is spawned on the directory and timed
@@ -60,8 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from shardcache.store import INDEX_NAME, LAYOUTS, Store  # noqa: E402
-from shardcache.store.names import place  # noqa: E402
+from shardcache.store import INDEX_NAME, Store  # noqa: E402
 from shardcache.urls import shard_uuid  # noqa: E402
 
 BODY_BYTE = b"x"
@@ -124,15 +119,13 @@ def _row(origin: str, i: int, n: int, size: int, now: float, order: list[int] | 
             now + access * 1e-3, 0, created, None, None)  # fmt: skip
 
 
-def _make_files(
-    base: str, origin: str, lo: int, hi: int, size: int, links: bool, layout: str = "flat"
-) -> None:
-    """The files of objects ``lo`` to ``hi - 1``, where ``layout`` puts them: sparse
-    files of ``size`` bytes, each its own inode, or with ``links`` hard links of one
-    sparse file per LINKS_PER_INODE names (a link is one system call and no inode)."""
+def _make_files(base: str, origin: str, lo: int, hi: int, size: int, links: bool) -> None:
+    """The files of objects ``lo`` to ``hi - 1``: sparse files of ``size`` bytes, each
+    its own inode, or with ``links`` hard links of one sparse file per LINKS_PER_INODE
+    names (a link is one system call and no inode)."""
     src = None
     for i in range(lo, hi):
-        path = place(base, layout, shard_uuid(f"{origin}/obj/{i}"))
+        path = os.path.join(base, shard_uuid(f"{origin}/obj/{i}"))
         if links:
             if src is None or i % LINKS_PER_INODE == 0:
                 src = path
@@ -153,13 +146,7 @@ PERMUTE = 1_000_003  # a prime: i -> i * PERMUTE mod n permutes 0..n-1 unless it
 
 
 def seed(
-    cache_dir: Path,
-    origin: str,
-    n: int,
-    size: int,
-    procs: int = 3,
-    links: bool = False,
-    layout: str = "flat",
+    cache_dir: Path, origin: str, n: int, size: int, procs: int = 3, links: bool = False
 ) -> float:
     """An index of ``n`` rows and their ``n`` sparse files; returns the seconds taken.
 
@@ -168,8 +155,8 @@ def seed(
     dropped meanwhile and made again at the end (a sort instead of ``n`` random inserts).
     """
     t0 = time.monotonic()
-    with Store(cache_dir, reconcile=False, layout=layout) as store:  # type: ignore[arg-type]
-        store.used()  # the schema, as this shardcache makes it (and the layout's directories)
+    with Store(cache_dir, reconcile=False) as store:
+        store.used()  # the schema, as this shardcache makes it
     base = str(cache_dir)
     step = -(-n // max(1, procs))
     makers = []
@@ -178,7 +165,7 @@ def seed(
         if pid == 0:  # a child: its share of the files, then out
             code = 0
             try:
-                _make_files(base, origin, lo, min(n, lo + step), size, links, layout)
+                _make_files(base, origin, lo, min(n, lo + step), size, links)
             except BaseException:  # noqa: BLE001 - reported through the exit status
                 import traceback
 
@@ -279,7 +266,6 @@ def spawn(
         "--cache-size", str(n * args.size),
         "--port", str(port),
         "--log-level", "warning",
-        "--cache-layout", args.cache_layout,  # the seeded one: a mismatch stops the run
     ]  # fmt: skip
     with open(log, "ab") as logf:
         t0 = time.monotonic()
@@ -363,8 +349,7 @@ def one_run(
         paths = []
         for _ in range(args.hits * 10):
             i = rng.randrange(n)
-            key = shard_uuid(f"{origin.base}/obj/{i}")
-            if os.path.exists(place(str(cache_dir), args.cache_layout, key)):
+            if os.path.exists(cache_dir / shard_uuid(f"{origin.base}/obj/{i}")):
                 paths.append(f"/obj/{i}")
                 if len(paths) == args.hits:
                     break
@@ -423,12 +408,6 @@ def main() -> None:
         "(a link is a single system call and no inode: 10M entries in minutes)",
     )
     ap.add_argument("--procs", type=int, default=3, help="processes making the files")
-    ap.add_argument(
-        "--cache-layout",
-        choices=LAYOUTS,
-        default="flat",
-        help="the store's layout: flat (one directory) or fanout (256 subdirectories)",
-    )
     ap.add_argument("--keep", action="store_true", help="leave the seeded cache in place")
     args = ap.parse_args()
     sizes = [int(s.replace("_", "")) for s in args.sizes.split(",") if s]
@@ -441,9 +420,7 @@ def main() -> None:
     try:
         for n in sizes:
             cache_dir = tmp / f"cache-{n}"
-            seeded[n] = seed(
-                cache_dir, origin.base, n, args.size, args.procs, args.links, args.cache_layout
-            )
+            seeded[n] = seed(cache_dir, origin.base, n, args.size, args.procs, args.links)
             print(f"N={n:,}: seeded in {seeded[n]:.1f} s", flush=True)
             runs = []
             for run in range(args.runs):
@@ -473,8 +450,7 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
     print()
-    print(f"{args.size}-byte entries ({'hard links' if args.links else 'a file each'}, "
-          f"{args.cache_layout} layout), "
+    print(f"{args.size}-byte entries ({'hard links' if args.links else 'a file each'}), "
           f"{args.runs} runs per N (medians), {args.hits} hits, {args.misses} evicting misses, "
           f"{args.crash_runs} restarts after SIGKILL; python {sys.version.split()[0]}, "
           f"{os.cpu_count()} CPUs")  # fmt: skip

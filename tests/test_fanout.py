@@ -433,27 +433,6 @@ def test_direct_reads_open_committed_entries_in_the_subdirectories(origin, tmp_p
         assert p.stop() == 0
 
 
-# --------------------------------------------------------------------------- the bench
-
-
-@pytest.mark.parametrize("links", [False, True], ids=["files", "links"])
-def test_bench_index_scale_seeds_a_consistent_fanout_store(tmp_path, links):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    try:
-        import index_scale
-    finally:
-        sys.path.pop(0)
-    cache = tmp_path / "seeded"
-    index_scale.seed(cache, "http://o", 300, 512, procs=2, links=links, layout="fanout")
-    with Store(cache) as store:
-        assert store.layout == "fanout"
-        report = store.check()
-        assert report.ok and report.entries == 300, report.problems[:3]
-        entry = store.lookup("http://o/obj/7")
-        assert entry is not None and entry.path.parent.name == entry.key[:2]
-    assert not [n for n in os.listdir(cache) if len(n) == 36]
-
-
 def test_an_index_another_process_made_meanwhile_keeps_its_layout(tmp_path):
     # two processes create one cache: the second read user_version 0 before the first
     # made the index, and migrates after it: the fan-out record and format stay
