@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import http.client
 import http.server
 import json
@@ -50,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,55 +110,102 @@ class Origin:
         self.server.server_close()
 
 
-def _row(origin: str, i: int, n: int, size: int, now: float, order: list[int] | None) -> tuple:
+NS_URL = uuid.NAMESPACE_URL.bytes
+
+
+def digests(origin: str, n: int) -> bytearray:
+    """The 16 bytes of ``shard_uuid(f"{origin}/obj/{i}")`` for ``i`` in ``0..n-1``, one
+    after another: MD5 straight from hashlib, then the version and variant bits set for
+    all rows at once (``uuid.uuid3`` takes ~3x as long a name)."""
+    import numpy as np
+
+    out = bytearray(16 * n)
+    md5 = hashlib.md5
+    prefix = NS_URL + f"{origin}/obj/".encode()
+    for i in range(n):
+        out[16 * i : 16 * i + 16] = md5(prefix + str(i).encode()).digest()
+    a = np.frombuffer(out, dtype=np.uint8).reshape(n, 16)
+    a[:, 6] = (a[:, 6] & 0x0F) | 0x30
+    a[:, 8] = (a[:, 8] & 0x3F) | 0x80
+    return out
+
+
+def name_of(raw: bytes | bytearray | memoryview) -> str:
+    """The text form of a UUID's 16 bytes, as ``str(uuid.UUID(bytes=raw))``."""
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def key_order(raw: bytearray, n: int) -> list[int]:
+    """The indexes ``0..n-1`` in the order of their keys (the UUIDs' text sorts as their
+    bytes do): rows inserted in that order append to the key index instead of landing
+    at random in a B-tree larger than the page cache."""
+    import numpy as np
+
+    words = np.frombuffer(raw, dtype=">u8").reshape(n, 2)
+    return np.lexsort((words[:, 1], words[:, 0])).tolist()
+
+
+def _row(
+    origin: str, i: int, n: int, size: int, now: float, order: list[int] | None, key: str
+) -> tuple:
     """The index row of seeded object ``i`` (ENTRY_COLS order)."""
     url = f"{origin}/obj/{i}"
     created = now + i * 1e-3
     # access order unrelated to the names (a shuffle when it fits in memory, else a
     # fixed permutation of the indexes: multiplication by a prime not dividing n)
     access = order[i] if order is not None else (i * PERMUTE) % n
-    return (shard_uuid(url), url, size, None, None, "application/x-tar", created,
+    return (key, url, size, None, None, "application/x-tar", created,
             now + access * 1e-3, 0, created, None, None)  # fmt: skip
 
 
-def _make_files(base: str, origin: str, lo: int, hi: int, size: int, links: bool) -> None:
-    """The files of objects ``lo`` to ``hi - 1``: sparse files of ``size`` bytes, each
-    its own inode, or with ``links`` hard links of one sparse file per LINKS_PER_INODE
-    names (a link is one system call and no inode)."""
-    src = None
-    for i in range(lo, hi):
-        path = os.path.join(base, shard_uuid(f"{origin}/obj/{i}"))
-        if links:
-            if src is None or i % LINKS_PER_INODE == 0:
-                src = path
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                os.ftruncate(fd, size)
-                os.close(fd)
-            else:
-                os.link(src, path)
-            continue
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        os.ftruncate(fd, size)
-        os.close(fd)
+def _make_files(base: str, raw: bytearray, lo: int, hi: int, size: int, links: bool) -> None:
+    """The files of objects ``lo`` to ``hi - 1`` (names from ``raw``, see
+    :func:`digests`): sparse files of ``size`` bytes, each its own inode, or with
+    ``links`` hard links of one sparse file per LINKS_PER_INODE names (a link is one
+    system call and no inode). Names relative to the directory's descriptor: no path
+    walk per name."""
+    dfd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    view = memoryview(raw)
+    link, flags = os.link, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    try:
+        src = None
+        for i in range(lo, hi):
+            name = name_of(view[16 * i : 16 * i + 16])
+            if links and src is not None and (i - lo) % LINKS_PER_INODE:
+                link(src, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                continue
+            fd = os.open(name, flags, 0o644, dir_fd=dfd)
+            os.ftruncate(fd, size)
+            os.close(fd)
+            src = name
+    finally:
+        os.close(dfd)
 
 
 LINKS_PER_INODE = 60_000  # ext4 allows 65,000 links to an inode
 ORDER_IN_MEMORY = 2_000_000  # up to this many entries, access times are a shuffle
 PERMUTE = 1_000_003  # a prime: i -> i * PERMUTE mod n permutes 0..n-1 unless it divides n
+CHUNK = 50_000  # rows per executemany
 
 
 def seed(
-    cache_dir: Path, origin: str, n: int, size: int, procs: int = 3, links: bool = False
+    cache_dir: Path, origin: str, n: int, size: int, procs: int = 2, links: bool = False
 ) -> float:
     """An index of ``n`` rows and their ``n`` sparse files; returns the seconds taken.
 
-    The files are made by ``procs`` processes while this one writes the rows: one
-    transaction, ``executemany`` of 50,000 rows at a time, the two eviction-order indexes
-    dropped meanwhile and made again at the end (a sort instead of ``n`` random inserts).
+    The names are hashed once, here, before ``procs`` forked processes make the files
+    from them while this one writes the rows in key order (appends to the key index),
+    in one transaction, ``executemany`` of CHUNK rows at a time, with the eviction-order
+    indexes and the totals triggers dropped meanwhile and made again at the end (a sort
+    instead of ``n`` random inserts; the totals added once), and no rollback journal
+    nor syncs while loading (a seed that fails is deleted, never used): the index is
+    then put back in WAL mode, as the store keeps it.
     """
     t0 = time.monotonic()
     with Store(cache_dir, reconcile=False) as store:
         store.used()  # the schema, as this shardcache makes it
+    raw = digests(origin, n)
     base = str(cache_dir)
     step = -(-n // max(1, procs))
     makers = []
@@ -165,7 +214,7 @@ def seed(
         if pid == 0:  # a child: its share of the files, then out
             code = 0
             try:
-                _make_files(base, origin, lo, min(n, lo + step), size, links)
+                _make_files(base, raw, lo, min(n, lo + step), size, links)
             except BaseException:  # noqa: BLE001 - reported through the exit status
                 import traceback
 
@@ -173,36 +222,57 @@ def seed(
                 code = 1
             os._exit(code)
         makers.append(pid)
-    conn = sqlite3.connect(cache_dir / INDEX_NAME, isolation_level=None)
-    conn.execute("PRAGMA cache_size = -262144")  # 256 MiB: the key index stays in memory
-    indexes = conn.execute(
-        "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'entries' "
-        "AND sql IS NOT NULL"
-    ).fetchall()
-    now = time.time() - 86400
-    order = None
-    if n <= ORDER_IN_MEMORY:
-        order = list(range(n))
-        random.Random(n).shuffle(order)
-    conn.execute("BEGIN IMMEDIATE")
-    for name, _ in indexes:
-        conn.execute(f"DROP INDEX {name}")
-    chunk = 50_000
-    for start in range(0, n, chunk):
-        conn.executemany(
-            "INSERT INTO entries (key, url, size, etag, last_modified, content_type, created, "
-            "last_access, hits, validated, fields, digests) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-            [_row(origin, i, n, size, now, order) for i in range(start, min(n, start + chunk))],
-        )
-    for _, sql in indexes:
-        conn.execute(sql)
-    conn.execute("COMMIT")
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    conn.close()
-    failed = sum(os.waitpid(pid, 0)[1] != 0 for pid in makers)
+    try:
+        _seed_rows(cache_dir, origin, n, size, raw)
+    finally:
+        failed = sum(os.waitpid(pid, 0)[1] != 0 for pid in makers)
     if failed:
         raise RuntimeError(f"{failed} of the processes making the files failed")
     return time.monotonic() - t0
+
+
+def _seed_rows(cache_dir: Path, origin: str, n: int, size: int, raw: bytearray) -> None:
+    """The ``n`` rows of :func:`seed`, in key order, in one transaction."""
+    conn = sqlite3.connect(cache_dir / INDEX_NAME, isolation_level=None)
+    try:
+        conn.execute("PRAGMA cache_size = -262144")  # 256 MiB
+        conn.execute("PRAGMA journal_mode = OFF")
+        conn.execute("PRAGMA synchronous = OFF")
+        # the indexes and triggers on entries the store made, made again after the rows
+        schema = conn.execute(
+            "SELECT type, name, sql FROM sqlite_master WHERE type IN ('index', 'trigger') "
+            "AND tbl_name = 'entries' AND sql IS NOT NULL"
+        ).fetchall()
+        now = time.time() - 86400
+        order = None
+        if n <= ORDER_IN_MEMORY:
+            order = list(range(n))
+            random.Random(n).shuffle(order)
+        by_key = key_order(raw, n)
+        view = memoryview(raw)
+        conn.execute("BEGIN IMMEDIATE")
+        for kind, name, _ in schema:
+            conn.execute(f"DROP {kind.upper()} {name}")
+        for start in range(0, n, CHUNK):
+            conn.executemany(
+                "INSERT INTO entries (key, url, size, etag, last_modified, content_type, "
+                "created, last_access, hits, validated, fields, digests) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                [
+                    _row(origin, i, n, size, now, order, name_of(view[16 * i : 16 * i + 16]))
+                    for i in by_key[start : start + CHUNK]
+                ],
+            )
+        conn.execute(
+            "UPDATE totals SET entries = entries + ?, bytes = bytes + ? WHERE id = 0",
+            (n, n * size),
+        )
+        for _, _, sql in schema:
+            conn.execute(sql)
+        conn.execute("COMMIT")
+        conn.execute("PRAGMA journal_mode = WAL")
+    finally:
+        conn.close()
 
 
 def rss_mb(pid: int) -> float:
@@ -407,7 +477,7 @@ def main() -> None:
         help="seed hard links of one sparse file per 60,000 names instead of a file each "
         "(a link is a single system call and no inode: 10M entries in minutes)",
     )
-    ap.add_argument("--procs", type=int, default=3, help="processes making the files")
+    ap.add_argument("--procs", type=int, default=2, help="processes making the files")
     ap.add_argument("--keep", action="store_true", help="leave the seeded cache in place")
     args = ap.parse_args()
     sizes = [int(s.replace("_", "")) for s in args.sizes.split(",") if s]
