@@ -3,18 +3,25 @@ store of N entries, the index seeded directly (no N downloads).
 
     .venv/bin/python bench/index_scale.py                       # 100,000 and 1,000,000
     .venv/bin/python bench/index_scale.py --sizes 100000 --runs 3
-    .venv/bin/python bench/index_scale.py --sizes 100000,1000000,10000000 --links --tmp /big/disk
+    .venv/bin/python bench/index_scale.py --sizes 100000,1000000,8000000 --links --tmp /big/disk
 
-Seeding: a :class:`~shardcache.store.Store` makes the empty index, then N rows are
-inserted in one transaction (URL ``<origin>/obj/<i>``, key ``shard_uuid`` of it,
-``--size`` bytes, distinct access times; ``executemany`` of 50,000 rows, the two
-eviction-order indexes made again after the rows) while ``--procs`` forked processes
-create the N sparse files of that size (``ftruncate``: no data blocks), or with
-``--links`` hard links of one sparse file per 60,000 names (one system call and no
-inode per name: 10M entries in minutes; the store compares a file's size and, for its
-memo, its inode and times, each name with its own row, so shared inodes change nothing
-it checks). The store on disk is consistent, as after a clean shutdown. ``--cache-size``
-is exactly the seeded bytes: the cache is full, and every miss evicts an entry.
+Seeding: a :class:`~shardcache.store.Store` makes the empty index; the N names are
+hashed once (MD5, as ``shard_uuid``), then N rows are inserted in key order in one
+transaction (URL ``<origin>/obj/<i>``, key ``shard_uuid`` of it, ``--size`` bytes,
+distinct access times; ``executemany`` of 50,000 rows, no journal, the eviction-order
+indexes and the totals triggers made again after the rows, the index put back in WAL
+mode) while ``--procs`` forked processes create the N sparse files of that size
+(``ftruncate``: no data blocks), or with ``--links`` hard links of one sparse file per
+60,000 names (one system call and no inode per name: 8M entries in ~8 minutes on a
+loaded 2-CPU VM; the store compares a file's size and, for its memo, its inode and
+times, each name with its own row, so shared inodes change nothing it checks). The
+store on disk is consistent, as after a clean shutdown. ``--cache-size`` is exactly the
+seeded bytes: the cache is full, and every miss evicts an entry.
+
+The store keeps every entry in one directory: on ext4 without the ``large_dir``
+feature (a two-level hashed directory) that directory holds ~9.4M such names, then
+any new name fails with ENOSPC whatever the free space (seeding 10M stopped at 9.36M
+on a 4 KiB-block ext4): N = 10M needs ``large_dir``, XFS or tmpfs.
 
 For each N, ``--runs`` times: ``shardcache serve`` is spawned on the directory and timed
 to the first 200 of ``GET /-/readyz`` (restart to ready); its ``VmRSS`` is read when
@@ -71,9 +78,10 @@ def free_port() -> int:
 
 
 class Origin:
-    """A local origin: ``GET /obj/<name>`` answers ``size`` bytes; requests are counted."""
+    """A local origin: ``GET /obj/<name>`` answers ``size`` bytes; requests are counted.
+    On ``port`` (0: any free one)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, port: int = 0) -> None:
         self.size = size
         self.requests = 0
         origin = self
@@ -99,7 +107,7 @@ class Origin:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -428,7 +436,8 @@ def one_run(
         if origin.requests != before:
             raise RuntimeError(f"{origin.requests - before} hits reached the origin")
         rss_hits = rss_mb(proc.pid)
-        paths = [f"/obj/new-{n}-{run}-{i}" for i in range(args.misses)]
+        # new names in every process: a --reuse run must not find an earlier run's misses
+        paths = [f"/obj/new-{n}-{run}-{os.getpid()}-{i}" for i in range(args.misses)]
         miss = timed_gets(port, paths, time.monotonic() + args.phase_time, errors)
         if origin.requests - before < len(miss):
             raise RuntimeError("misses did not reach the origin")
@@ -454,6 +463,53 @@ def one_run(
     }
 
 
+def seeded_port(cache_dir: Path) -> int:
+    """The port of the origin a seeded cache's URLs name (``--reuse``)."""
+    conn = sqlite3.connect(f"file:{cache_dir / INDEX_NAME}?mode=ro", uri=True)
+    try:
+        (url,) = conn.execute("SELECT url FROM entries WHERE url LIKE '%/obj/%' LIMIT 1").fetchone()
+    finally:
+        conn.close()
+    return int(url.split("/")[2].rsplit(":", 1)[1])
+
+
+def summary(runs: list[dict[str, float]], crashes: list[dict[str, float]]) -> dict[str, float]:
+    """Medians of the runs and of the restarts after a crash (but their load)."""
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    if crashes:
+        out.update({k: statistics.median(r[k] for r in crashes) for k in crashes[0] if k != "load"})
+    return out
+
+
+def interleaved(
+    args: argparse.Namespace,
+    tmp: Path,
+    origin: Origin,
+    sizes: list[int],
+    log: Path,
+    results: dict[int, dict[str, float]],
+) -> None:
+    """``--reuse``: each run, then each restart after a crash, made for every N in turn."""
+    runs: dict[int, list[dict[str, float]]] = {n: [] for n in sizes}
+    crashes: dict[int, list[dict[str, float]]] = {n: [] for n in sizes}
+    for run in range(args.runs):
+        for n in sizes:
+            r = one_run(args, tmp / f"cache-{n}", origin, n, log, run)
+            r["load"] = os.getloadavg()[0]
+            print(f"N={n:,} run {run + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()),
+                  flush=True)  # fmt: skip
+            runs[n].append(r)
+    for run in range(args.crash_runs):
+        for n in sizes:
+            r = crash_run(args, tmp / f"cache-{n}", origin, n, log)
+            r["load"] = os.getloadavg()[0]
+            print(f"N={n:,} after a crash {run + 1}: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in r.items()), flush=True)  # fmt: skip
+            crashes[n].append(r)
+    for n in sizes:
+        results[n] = summary(runs[n], crashes[n])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="100000,1000000", help="entry counts, comma-separated")
@@ -475,20 +531,34 @@ def main() -> None:
         "--links",
         action="store_true",
         help="seed hard links of one sparse file per 60,000 names instead of a file each "
-        "(a link is a single system call and no inode: 10M entries in minutes)",
+        "(a link is a single system call and no inode: millions of entries in minutes)",
     )
     ap.add_argument("--procs", type=int, default=2, help="processes making the files")
     ap.add_argument("--keep", action="store_true", help="leave the seeded cache in place")
+    ap.add_argument(
+        "--reuse",
+        default=None,
+        help="measure the caches an earlier --keep run left in this directory (its "
+        "cache-<N> for each of --sizes) instead of seeding, the sizes taken in turn within "
+        "each run (the same load for every N); deleted at the end unless --keep",
+    )
     args = ap.parse_args()
     sizes = [int(s.replace("_", "")) for s in args.sizes.split(",") if s]
-    origin = Origin(args.size)
     results: dict[int, dict[str, float]] = {}
     seeded: dict[int, float] = {}
-    tmp = Path(tempfile.mkdtemp(prefix="index-scale-", dir=args.tmp))
+    if args.reuse:
+        tmp = Path(args.reuse)
+        origin = Origin(args.size, seeded_port(tmp / f"cache-{sizes[0]}"))
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="index-scale-", dir=args.tmp))
+        origin = Origin(args.size)
     log = tmp.parent / f"{tmp.name}.proxy.log"  # kept: the proxies' output
     print(f"proxy output: {log}", flush=True)
     try:
-        for n in sizes:
+        if args.reuse:
+            interleaved(args, tmp, origin, sizes, log, results)
+            seeded.update((n, float("nan")) for n in sizes)
+        for n in sizes if not args.reuse else []:
             cache_dir = tmp / f"cache-{n}"
             seeded[n] = seed(cache_dir, origin.base, n, args.size, args.procs, args.links)
             print(f"N={n:,}: seeded in {seeded[n]:.1f} s", flush=True)
@@ -499,7 +569,6 @@ def main() -> None:
                 print(f"  run {run + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()),
                       flush=True)  # fmt: skip
                 runs.append(r)
-            results[n] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             crashes = []
             for run in range(args.crash_runs):
                 r = crash_run(args, cache_dir, origin, n, log)
@@ -507,10 +576,7 @@ def main() -> None:
                 print(f"  after a crash {run + 1}: "
                       + ", ".join(f"{k} {v:.2f}" for k, v in r.items()), flush=True)  # fmt: skip
                 crashes.append(r)
-            if crashes:
-                results[n].update(
-                    {k: statistics.median(r[k] for r in crashes) for k in crashes[0] if k != "load"}
-                )
+            results[n] = summary(runs, crashes)
             if not args.keep:
                 t0 = time.monotonic()
                 shutil.rmtree(cache_dir)
@@ -518,7 +584,10 @@ def main() -> None:
     finally:
         origin.close()
         if not args.keep:
+            t0 = time.monotonic()
             shutil.rmtree(tmp, ignore_errors=True)
+            if args.reuse:
+                print(f"removed in {time.monotonic() - t0:.1f} s", flush=True)
     print()
     print(f"{args.size}-byte entries ({'hard links' if args.links else 'a file each'}), "
           f"{args.runs} runs per N (medians), {args.hits} hits, {args.misses} evicting misses, "
@@ -530,7 +599,7 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, r in results.items():
         print(
-            f"| {n:,} | {seeded[n]:.0f} s | {r['ready_s']:.2f} s | {r['rss_ready']:.0f} MB "
+            f"| {n:,} | {'-' if args.reuse else f'{seeded[n]:.0f} s'} | {r['ready_s']:.2f} s | {r['rss_ready']:.0f} MB "
             f"| {r['rss_hits']:.0f} MB | {r['rss_misses']:.0f} MB "
             f"| {r['hit_p50']:.2f} / {r['hit_p99']:.2f} ms "
             f"| {r['miss_p50']:.1f} / {r['miss_p99']:.1f} ms ({r['misses']:.0f}) "
