@@ -14,8 +14,11 @@ mode) while ``--procs`` forked processes create the N sparse files of that size
 (``ftruncate``: no data blocks), or with ``--links`` hard links of one sparse file per
 60,000 names (one system call and no inode per name: 8M entries in ~8 minutes on a
 loaded 2-CPU VM; the store compares a file's size and, for its memo, its inode and
-times, each name with its own row, so shared inodes change nothing it checks). The
-store on disk is consistent, as after a clean shutdown. ``--cache-size`` is exactly the
+times, each name with its own row, so shared inodes change nothing it checks, but for
+one thing: an eviction's unlink changes the shared inode's ctime, after which this
+process's memo reads a sibling's row again once — each run's hits come before its
+misses, in a new process, so the figures do not see it). The store on disk is
+consistent, as after a clean shutdown. ``--cache-size`` is exactly the
 seeded bytes: the cache is full, and every miss evicts an entry.
 
 The store keeps every entry in one directory: on ext4 without the ``large_dir``
