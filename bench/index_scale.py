@@ -12,8 +12,8 @@ distinct access times; ``executemany`` of 50,000 rows, no journal, the eviction-
 indexes and the totals triggers made again after the rows, the index put back in WAL
 mode) while ``--procs`` forked processes create the N sparse files of that size
 (``ftruncate``: no data blocks), or with ``--links`` hard links of one sparse file per
-60,000 names (one system call and no inode per name: 8M entries in ~8 minutes on a
-loaded 2-CPU VM; the store compares a file's size and, for its memo, its inode and
+60,000 names (one system call and no inode per name: 8M entries in 3 minutes on a
+quiet 2-CPU VM, 8 at a load of 15-20; the store compares a file's size and, for its memo, its inode and
 times, each name with its own row, so shared inodes change nothing it checks, but for
 one thing: an eviction's unlink changes the shared inode's ctime, after which this
 process's memo reads a sibling's row again once — each run's hits come before its
