@@ -75,3 +75,12 @@ def test_a_seeded_store_is_consistent(tmp_path, monkeypatch, links):
             n - 1,
             (n - 1) * size,
         )
+
+
+def test_reuse_finds_the_seeded_origin_and_warm_reads_the_store(tmp_path):
+    cache = tmp_path / "cache"
+    index_scale.seed(cache, "http://127.0.0.1:45678", 300, 4096, procs=1, links=True)
+    assert index_scale.seeded_port(cache) == 45678
+    assert index_scale.warm(cache) >= 0.0
+    with Store(cache, cache_size=300 * 4096) as store:  # listing and reading changed nothing
+        assert store.stats()["entries"] == 300
