@@ -449,3 +449,24 @@ def test_an_index_another_process_made_meanwhile_keeps_its_layout(tmp_path):
     assert user_version(cache) == FANOUT_FORMAT
     with pytest.raises(StoreUnusable, match="created with the fanout layout"):
         Store(cache, layout="flat")
+
+
+@pytest.mark.parametrize("links", [False, True], ids=["files", "links"])
+def test_bench_index_scale_seeds_a_consistent_fanout_store(tmp_path, monkeypatch, links):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    try:
+        import index_scale
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(index_scale, "LINKS_PER_INODE", 70)  # links across subdirectories
+    cache = tmp_path / "seeded"
+    index_scale.seed(cache, "http://o", 600, 512, procs=2, links=links, layout="fanout")
+    assert index_scale.layout_of(cache) == "fanout"
+    with Store(cache) as store:
+        assert store.layout == "fanout"
+        report = store.check()
+        assert report.ok and report.entries == 600, report.problems[:3]
+        entry = store.lookup("http://o/obj/7")
+        assert entry is not None and entry.path.parent.name == entry.key[:2]
+    assert not [n for n in os.listdir(cache) if len(n) == 36]
+    assert user_version(cache) == FANOUT_FORMAT
