@@ -252,6 +252,7 @@ def test_the_proxy_serves_a_fanout_cache_end_to_end(origin, tmp_path):
     # restarted without the flag: the recorded layout; the entries still hit
     p = ProxyProcess(cache, *args).start()
     try:
+        assert stats(p.port)["store"]["layout"] == "fanout"
         survivors = [n for n in data if (cache / keys[n][:2] / keys[n]).exists()]
         assert len(survivors) == 2
         for n in survivors:
@@ -259,6 +260,37 @@ def test_the_proxy_serves_a_fanout_cache_end_to_end(origin, tmp_path):
     finally:
         assert p.stop() == 0
     assert not [f for f in os.listdir(cache) if len(f) == 36]  # nothing at the top
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_proxy_keeps_an_old_flat_cache_flat(origin, tmp_path):
+    origin.files["old.tar"] = b"o" * 2000
+    origin.files["new.tar"] = b"n" * 2000
+    cache = tmp_path / "cache"
+    with Store(cache) as store:  # as an earlier release left it: no layout recorded
+        put(store, f"{origin.url}/old.tar", b"o" * 2000)
+    with sqlite3.connect(cache / INDEX_NAME) as c:
+        c.execute("DROP TABLE store_meta")
+    p = ProxyProcess(cache, "--upstream", origin.url).start()
+    try:
+        assert stats(p.port)["store"]["layout"] == "flat"
+        assert get(f"{p.url}/old.tar") == (200, "HIT", b"o" * 2000)
+        assert get(f"{p.url}/new.tar") == (200, "MISS", b"n" * 2000)
+        committed(cache)
+    finally:
+        assert p.stop() == 0
+    keys = sorted(shard_uuid(f"{origin.url}/{n}") for n in ("old.tar", "new.tar"))
+    assert files_under(cache) == keys  # both at the top, no subdirectory made
+    assert user_version(cache) == FORMAT_VERSION
+    res = subprocess.run(
+        [sys.executable, "-m", "shardcache", "serve", "--cache-dir", str(cache), "--port", "0"]
+        + ["--upstream", origin.url, "--cache-layout", "fanout"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2 and "created with the flat layout" in res.stdout + res.stderr
 
 
 @pytest.mark.slow
@@ -374,6 +406,8 @@ def test_two_workers_and_another_process_share_a_fanout_cache(origin, tmp_path):
             for n, b in data.items():
                 assert get(f"{p.url}/{n}") == (200, "HIT", b)
         assert all(origin.gets[n] == 1 for n in data)
+        for _ in range(4):  # whichever worker answers, it follows the record
+            assert stats(p.port)["store"]["layout"] == "fanout"
         # a library process (as a DataLoader worker) reads the same store, as recorded
         url = f"{origin.url}/w0.tar"
         code = (
