@@ -3,6 +3,7 @@ the figures of the index-scale benchmark are only worth what its seeded store is
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sqlite3
 import sys
@@ -12,8 +13,15 @@ import pytest
 
 from shardcache.store import INDEX_NAME, Store, shard_uuid
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import index_scale  # noqa: E402
+# loaded from its file: bench/ on sys.path would make ``import dbcache`` in later tests
+# find bench/dbcache.py instead of the package
+_spec = importlib.util.spec_from_file_location(
+    "index_scale", Path(__file__).resolve().parent.parent / "bench" / "index_scale.py"
+)
+assert _spec is not None and _spec.loader is not None
+index_scale = importlib.util.module_from_spec(_spec)
+sys.modules["index_scale"] = index_scale
+_spec.loader.exec_module(index_scale)
 
 ORIGIN = "http://127.0.0.1:9"
 
