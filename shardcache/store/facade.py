@@ -160,10 +160,13 @@ class Store(Reconcile):
             self._fit_to_disk()
 
     def _make_subdirs(self) -> None:
-        """The 256 subdirectories of the fan-out layout (those that exist are kept)."""
+        """The 256 subdirectories of the fan-out layout (those that exist are kept),
+        made durable before an entry is renamed into one."""
+        made = 0
         for name in FANOUT_DIRS:
             try:
                 os.mkdir(self.cache_dir / name)
+                made += 1
             except FileExistsError:
                 pass
             except OSError as exc:
@@ -173,6 +176,8 @@ class Store(Reconcile):
                     f"{self.cache_dir} writable by this uid, or choose another "
                     f"{self.names.cache_dir}"
                 ) from exc
+        if made:
+            self._fsync_dir(self.cache_dir)
 
     def close(self) -> None:
         """Record pending accesses, then close the index connection (the store reopens it
