@@ -82,6 +82,18 @@ def test_a_fanout_store_keeps_entries_and_downloads_in_the_keys_subdirectory(tmp
     assert user_version(cache) == FANOUT_FORMAT > FORMAT_VERSION  # older releases refuse it
 
 
+def test_a_subdirectory_removed_while_open_is_made_again_by_the_next_download(tmp_path):
+    cache = tmp_path / "c"
+    url = "http://h/again.tar"
+    sub = cache / shard_uuid(url)[:2]
+    with Store(cache, layout="fanout") as store:
+        sub.rmdir()  # empty: removed by hand
+        assert put(store, url, b"again").parent == sub
+        hit = store.open_hit(url)
+        assert hit is not None and hit[1].read() == b"again"
+        hit[1].close()
+
+
 def test_eviction_removes_the_victim_from_its_subdirectory(tmp_path):
     cache = tmp_path / "c"
     with Store(cache, cache_size=10 * KiB, layout="fanout") as store:

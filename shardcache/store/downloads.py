@@ -93,6 +93,7 @@ class Downloads(Space):
                 if path.parent == self.cache_dir:
                     raise
                 path.parent.mkdir(exist_ok=True)  # a fan-out subdirectory removed by hand
+                self._fsync_dir(self.cache_dir)
                 with open(path, "xb"):
                     pass
         except OSError as exc:
