@@ -3,7 +3,6 @@ the figures of the index-scale benchmark are only worth what its seeded store is
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sqlite3
 import sys
@@ -13,15 +12,10 @@ import pytest
 
 from shardcache.store import INDEX_NAME, Store, shard_uuid
 
-# loaded from its file: bench/ on sys.path would make ``import dbcache`` in later tests
-# find bench/dbcache.py instead of the package
-_spec = importlib.util.spec_from_file_location(
-    "index_scale", Path(__file__).resolve().parent.parent / "bench" / "index_scale.py"
-)
-assert _spec is not None and _spec.loader is not None
-index_scale = importlib.util.module_from_spec(_spec)
-sys.modules["index_scale"] = index_scale
-_spec.loader.exec_module(index_scale)
+# the repository root, as the other benchmark tests do: bench/ itself on the path would
+# make bench/dbcache.py shadow the dbcache package for every later test
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import index_scale  # noqa: E402
 
 ORIGIN = "http://127.0.0.1:9"
 

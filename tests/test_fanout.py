@@ -499,9 +499,10 @@ def test_an_index_another_process_made_meanwhile_keeps_its_layout(tmp_path):
 
 @pytest.mark.parametrize("links", [False, True], ids=["files", "links"])
 def test_bench_index_scale_seeds_a_consistent_fanout_store(tmp_path, monkeypatch, links):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    # the repository root on the path, not bench/ (whose dbcache.py would shadow the package)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     try:
-        import index_scale
+        from bench import index_scale
     finally:
         sys.path.pop(0)
     monkeypatch.setattr(index_scale, "LINKS_PER_INODE", 70)  # links across subdirectories
