@@ -4,6 +4,8 @@ store of N entries, the index seeded directly (no N downloads).
     .venv/bin/python bench/index_scale.py                       # 100,000 and 1,000,000
     .venv/bin/python bench/index_scale.py --sizes 100000 --runs 3
     .venv/bin/python bench/index_scale.py --sizes 100000,1000000,8000000 --links --tmp /big/disk
+    .venv/bin/python bench/index_scale.py --sizes 100000,1000000,10000000 --links \
+        --cache-layout fanout
 
 Seeding: a :class:`~shardcache.store.Store` makes the empty index; the N names are
 hashed once (MD5, as ``shard_uuid``), then N rows are inserted in key order in one
@@ -24,7 +26,10 @@ seeded bytes: the cache is full, and every miss evicts an entry.
 The store keeps every entry in one directory: on ext4 without the ``large_dir``
 feature (a two-level hashed directory) that directory holds ~9.4M such names, then
 any new name fails with ENOSPC whatever the free space (seeding 10M stopped at 9.36M
-on a 4 KiB-block ext4): N = 10M needs ``large_dir``, XFS or tmpfs.
+on a 4 KiB-block ext4): N = 10M needs ``large_dir``, XFS or tmpfs, or the store's
+fan-out layout: with ``--cache-layout fanout`` the store is created in it and every file
+goes to the subdirectory of its key (256 of them; hard links cross them, on one
+filesystem), and the proxies are started with the same flag (a mismatch stops the run).
 
 For each N, ``--runs`` times: ``shardcache serve`` is spawned on the directory and timed
 to the first 200 of ``GET /-/readyz`` (restart to ready); its ``VmRSS`` is read when
@@ -68,7 +73,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from shardcache.store import INDEX_NAME, Store  # noqa: E402
+from shardcache.store import INDEX_NAME, LAYOUTS, Store  # noqa: E402
+from shardcache.store.names import FANOUT, FANOUT_DIRS, place  # noqa: E402
 from shardcache.urls import shard_uuid  # noqa: E402
 
 BODY_BYTE = b"x"
@@ -170,28 +176,34 @@ def _row(
             now + access * 1e-3, 0, created, None, None)  # fmt: skip
 
 
-def _make_files(base: str, raw: bytearray, lo: int, hi: int, size: int, links: bool) -> None:
+def _make_files(
+    base: str, raw: bytearray, lo: int, hi: int, size: int, links: bool, layout: str = "flat"
+) -> None:
     """The files of objects ``lo`` to ``hi - 1`` (names from ``raw``, see
-    :func:`digests`): sparse files of ``size`` bytes, each its own inode, or with
-    ``links`` hard links of one sparse file per LINKS_PER_INODE names (a link is one
-    system call and no inode). Names relative to the directory's descriptor: no path
-    walk per name."""
-    dfd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    :func:`digests`), where ``layout`` puts them: sparse files of ``size`` bytes, each
+    its own inode, or with ``links`` hard links of one sparse file per LINKS_PER_INODE
+    names (a link is one system call and no inode). Names relative to the descriptor of
+    their directory: no path walk per name."""
+    fanout = layout == FANOUT
+    subdirs = FANOUT_DIRS if fanout else ("",)
+    fds = {d: os.open(os.path.join(base, d), os.O_RDONLY | os.O_DIRECTORY) for d in subdirs}
     view = memoryview(raw)
     link, flags = os.link, os.O_WRONLY | os.O_CREAT | os.O_EXCL
     try:
-        src = None
+        src, src_fd = None, -1
         for i in range(lo, hi):
             name = name_of(view[16 * i : 16 * i + 16])
+            dfd = fds[name[:2]] if fanout else fds[""]
             if links and src is not None and (i - lo) % LINKS_PER_INODE:
-                link(src, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                link(src, name, src_dir_fd=src_fd, dst_dir_fd=dfd)
                 continue
             fd = os.open(name, flags, 0o644, dir_fd=dfd)
             os.ftruncate(fd, size)
             os.close(fd)
-            src = name
+            src, src_fd = name, dfd
     finally:
-        os.close(dfd)
+        for dfd in fds.values():
+            os.close(dfd)
 
 
 LINKS_PER_INODE = 60_000  # ext4 allows 65,000 links to an inode
@@ -201,7 +213,13 @@ CHUNK = 50_000  # rows per executemany
 
 
 def seed(
-    cache_dir: Path, origin: str, n: int, size: int, procs: int = 2, links: bool = False
+    cache_dir: Path,
+    origin: str,
+    n: int,
+    size: int,
+    procs: int = 2,
+    links: bool = False,
+    layout: str = "flat",
 ) -> float:
     """An index of ``n`` rows and their ``n`` sparse files; returns the seconds taken.
 
@@ -211,11 +229,12 @@ def seed(
     indexes and the totals triggers dropped meanwhile and made again at the end (a sort
     instead of ``n`` random inserts; the totals added once), and no rollback journal
     nor syncs while loading (a seed that fails is deleted, never used): the index is
-    then put back in WAL mode, as the store keeps it.
+    then put back in WAL mode, as the store keeps it. The store is made in ``layout``,
+    which places the files.
     """
     t0 = time.monotonic()
-    with Store(cache_dir, reconcile=False) as store:
-        store.used()  # the schema, as this shardcache makes it
+    with Store(cache_dir, reconcile=False, layout=layout) as store:  # type: ignore[arg-type]
+        store.used()  # the schema, as this shardcache makes it (and the layout's directories)
     raw = digests(origin, n)
     base = str(cache_dir)
     step = -(-n // max(1, procs))
@@ -225,7 +244,7 @@ def seed(
         if pid == 0:  # a child: its share of the files, then out
             code = 0
             try:
-                _make_files(base, raw, lo, min(n, lo + step), size, links)
+                _make_files(base, raw, lo, min(n, lo + step), size, links, layout)
             except BaseException:  # noqa: BLE001 - reported through the exit status
                 import traceback
 
@@ -348,6 +367,8 @@ def spawn(
         "--port", str(port),
         "--log-level", "warning",
     ]  # fmt: skip
+    if args.cache_layout:  # as seeded: a store of another layout stops the run
+        argv += ["--cache-layout", args.cache_layout]
     with open(log, "ab") as logf:
         t0 = time.monotonic()
         proc = subprocess.Popen(argv, stdout=logf, stderr=logf, start_new_session=True)
@@ -426,9 +447,10 @@ def warm(cache_dir: Path) -> float:
         with open(path, "rb", buffering=0) as f:
             while f.read(1 << 20):
                 pass
-    with os.scandir(cache_dir) as it:
-        for _ in it:
-            pass
+    for sub in [""] + [d for d in FANOUT_DIRS if (cache_dir / d).is_dir()]:
+        with os.scandir(cache_dir / sub) as it:
+            for _ in it:
+                pass
     return time.monotonic() - t0
 
 
@@ -441,10 +463,12 @@ def one_run(
         rng = random.Random(run * 7919 + n)
         before = origin.requests
         # seeded entries still cached (the misses of earlier runs evicted some)
+        layout = layout_of(cache_dir)
         paths = []
         for _ in range(args.hits * 10):
             i = rng.randrange(n)
-            if os.path.exists(cache_dir / shard_uuid(f"{origin.base}/obj/{i}")):
+            key = shard_uuid(f"{origin.base}/obj/{i}")
+            if os.path.exists(place(str(cache_dir), layout, key)):
                 paths.append(f"/obj/{i}")
                 if len(paths) == args.hits:
                     break
@@ -480,6 +504,18 @@ def one_run(
         "misses": len(miss),
         "errors": len(errors),
     }
+
+
+def layout_of(cache_dir: Path) -> str:
+    """The layout a store's index records (flat when it records none)."""
+    conn = sqlite3.connect(f"file:{cache_dir / INDEX_NAME}?mode=ro", uri=True)
+    try:
+        row = conn.execute("SELECT value FROM store_meta WHERE name = 'layout'").fetchone()
+    except sqlite3.OperationalError:  # no such table: made before layouts were recorded
+        row = None
+    finally:
+        conn.close()
+    return row[0] if row else "flat"
 
 
 def seeded_port(cache_dir: Path) -> int:
@@ -555,6 +591,13 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=2, help="processes making the files")
     ap.add_argument("--keep", action="store_true", help="leave the seeded cache in place")
     ap.add_argument(
+        "--cache-layout",
+        choices=LAYOUTS,
+        default=None,
+        help="the layout of the seeded stores: flat (one directory, the default) or "
+        "fanout (256 subdirectories); given to the proxies too",
+    )
+    ap.add_argument(
         "--warm",
         action="store_true",
         help="before each run's hits, read the index and list the directory, so that "
@@ -585,7 +628,15 @@ def main() -> None:
             seeded.update((n, float("nan")) for n in sizes)
         for n in sizes if not args.reuse else []:
             cache_dir = tmp / f"cache-{n}"
-            seeded[n] = seed(cache_dir, origin.base, n, args.size, args.procs, args.links)
+            seeded[n] = seed(
+                cache_dir,
+                origin.base,
+                n,
+                args.size,
+                args.procs,
+                args.links,
+                args.cache_layout or "flat",
+            )
             print(f"N={n:,}: seeded in {seeded[n]:.1f} s", flush=True)
             runs = []
             for run in range(args.runs):
@@ -614,7 +665,8 @@ def main() -> None:
             if args.reuse:
                 print(f"removed in {time.monotonic() - t0:.1f} s", flush=True)
     print()
-    print(f"{args.size}-byte entries ({'hard links' if args.links else 'a file each'}), "
+    print(f"{args.size}-byte entries ({'hard links' if args.links else 'a file each'}, "
+          f"{args.cache_layout or 'flat'} layout), "
           f"{args.runs} runs per N (medians), {args.hits} hits, {args.misses} evicting misses, "
           f"{args.crash_runs} restarts after SIGKILL; python {sys.version.split()[0]}, "
           f"{os.cpu_count()} CPUs")  # fmt: skip

@@ -115,6 +115,7 @@ async def _stats(request: web.Request) -> web.Response:
             "pending_access_records": request.app[STORE].pending_access(),
             # the name pass a crash left owed, made while serving (None: none was owed)
             "names_pass": request.app[STORE].names_pass,
+            "layout": request.app[STORE].layout,  # as the cache directory records it
         },
         "ram_tier": {"entries": len(request.app[HITS]), "bytes": request.app[HITS].bytes},
     }

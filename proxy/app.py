@@ -201,6 +201,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             s.eviction,
             on_evict,  # type: ignore[arg-type]
             min_free=s.min_free,
+            layout=s.cache_layout,  # type: ignore[arg-type]
             memo_entries=MEMO_ENTRIES // s.workers,  # the bounds are per proxy, not per worker
         )
         if s.strip_signatures == "on" or (s.strip_signatures == "auto" and loopback_only(s.host)):

@@ -67,6 +67,7 @@ class Settings:
     cache_dir: Path
     upstreams: tuple[Upstream, ...] = DEFAULTS["upstreams"]
     cache_size: int = DEFAULTS["cache_size"]
+    cache_layout: str | None = DEFAULTS["cache_layout"]  # None: as the directory records
     host: str = DEFAULTS["host"]
     port: int = DEFAULTS["port"]
     admin_token: str | None = DEFAULTS["admin_token"]

@@ -20,7 +20,9 @@ from shardcache.store import SettingNames, Store
 __all__ = ["DAEMON_NAMES", "DaemonStore"]
 
 # the flags that set what the store's messages speak of
-DAEMON_NAMES = SettingNames(cache_dir="--cache-dir", min_free="--min-free", keep="--eviction keep")
+DAEMON_NAMES = SettingNames(
+    cache_dir="--cache-dir", min_free="--min-free", keep="--eviction keep", layout="--cache-layout"
+)
 # above this many entries, the name pass an open owes (after a crash, or at every open up
 # to 100,000 entries) is made once the proxy is ready, in a thread
 # (Store.reconcile_names): no restart waits for it; up to this many it takes a fraction

@@ -38,7 +38,7 @@ from proxy.setting_values import (
     _upstreams,
 )
 from proxy.upstream.options import DEFAULT_OPTIONS as UPSTREAM
-from shardcache.store import DEFAULT_POLICY, POLICIES
+from shardcache.store import DEFAULT_POLICY, LAYOUTS, POLICIES
 
 
 def _ram_tier(text: str) -> int:
@@ -187,6 +187,18 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=1,
         show=_show_size,
         metavar="SIZE",
+        group="cache",
+    ),
+    Setting(
+        "cache_layout",
+        None,
+        "where entry files go: flat, all in --cache-dir, or fanout, in 256 subdirectories "
+        "by the first two hex digits of the key; chosen when the cache directory is created "
+        "and recorded in its index (a different value later is refused); choose fanout "
+        "above a few million entries on ext4 without large_dir (one directory holds ~9.4M "
+        "names)",
+        choices=LAYOUTS,
+        none_means="as the cache directory records it; flat for a new one",
         group="cache",
     ),
     Setting("host", "127.0.0.1", "address to listen on", metavar="HOST", group="fronts"),

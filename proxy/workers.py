@@ -58,7 +58,11 @@ def _preflight(settings: Settings) -> None:
     """The checks a single process makes before listening, once, in the parent."""
     tls_context(settings)  # each worker loads its own; a bad pair stops all, here
     store = DaemonStore(
-        settings.cache_dir, settings.cache_size, settings.eviction, min_free=settings.min_free
+        settings.cache_dir,
+        settings.cache_size,
+        settings.eviction,
+        min_free=settings.min_free,
+        layout=settings.cache_layout,  # type: ignore[arg-type]
     )
     try:
         store.check_writable()

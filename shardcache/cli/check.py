@@ -19,7 +19,8 @@ from collections.abc import Iterable
 from shardcache.cli.common import CACHE_DIR_ENV, add_option, cache_dir_arg
 from shardcache.compat import SubParsersAction
 from shardcache.sizes import format_size
-from shardcache.store import DEL_SUFFIX, INDEX_NAME, PART_SUFFIX, Store
+from shardcache.store import DEL_SUFFIX, FANOUT, FLAT, INDEX_NAME, PART_SUFFIX, Store
+from shardcache.store.names import FANOUT_DIRS
 
 # the index and SQLite's files beside it
 INDEX_FILES = frozenset(INDEX_NAME + suffix for suffix in ("", "-wal", "-shm", "-journal"))
@@ -52,19 +53,52 @@ def stray_names(names: Iterable[str]) -> list[str]:
     return sorted(name for name in names if not is_cache_name(name))
 
 
-def stray_files(cache_dir: str | os.PathLike[str]) -> list[tuple[str, int | None]]:
-    """``(name, bytes)`` of each stray in ``cache_dir``; bytes is None for a directory
-    (or a name gone since the listing)."""
+def stray_names_fanout(names: Iterable[str], subdir: str = "") -> list[str]:
+    """The names, sorted, that are not the store's in the fan-out layout (pure): at the
+    top (``subdir`` empty) the index, the probe and the 256 subdirectories; in a
+    subdirectory the entry and work files whose key starts with its name."""
+    if not subdir:
+        return sorted(
+            n
+            for n in names
+            if n not in INDEX_FILES and not n.startswith(WORK_PREFIXES) and n not in FANOUT_DIRS
+        )
+    return sorted(
+        n
+        for n in names
+        if not (n.startswith(subdir) and (is_entry_name(n) or n.endswith(WORK_SUFFIXES)))
+    )
+
+
+def _sizes(path: str, names: list[str], found: dict) -> list[tuple[str, int | None]]:
     out: list[tuple[str, int | None]] = []
-    with os.scandir(cache_dir) as it:
-        found = {e.name: e for e in it}
-    for name in stray_names(found):
+    for name in names:
         entry = found[name]
         try:
             size = None if entry.is_dir(follow_symlinks=False) else entry.stat().st_size
         except OSError:
             size = None
-        out.append((name, size))
+        out.append((os.path.join(path, name) if path else name, size))
+    return out
+
+
+def stray_files(
+    cache_dir: str | os.PathLike[str], layout: str = FLAT
+) -> list[tuple[str, int | None]]:
+    """``(name, bytes)`` of each stray in ``cache_dir`` (in the fan-out layout, inside
+    its subdirectories too, named ``ab/name``); bytes is None for a directory (or a name
+    gone since the listing)."""
+    with os.scandir(cache_dir) as it:
+        found = {e.name: e for e in it}
+    if layout != FANOUT:
+        return _sizes("", stray_names(found), found)
+    out = _sizes("", stray_names_fanout(found), found)
+    for sub in FANOUT_DIRS:
+        if sub not in found or not found[sub].is_dir(follow_symlinks=False):
+            continue
+        with os.scandir(os.path.join(cache_dir, sub)) as it:
+            inner = {e.name: e for e in it}
+        out += _sizes(sub, stray_names_fanout(inner, sub), inner)
     return out
 
 
@@ -74,6 +108,7 @@ def store_check(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cache_dir = args.cache_dir = cache_dir_arg(args.cache_dir)
     store = Store(cache_dir, reconcile=False)  # report first; repair only with --fix
+    args.layout = store.layout  # as the index records it
     try:
         report = store.check(fix=args.fix, verify=getattr(args, "verify", False))
     finally:
@@ -81,7 +116,8 @@ def store_check(args: argparse.Namespace) -> int:
     size = f"{report.bytes} bytes"
     if report.bytes >= 1024:
         size = f"{format_size(report.bytes)} ({size})"
-    print(f"cache directory {os.path.abspath(cache_dir)}: {report.entries} entries, {size}")
+    layout = " (fanout layout)" if args.layout == FANOUT else ""
+    print(f"cache directory {os.path.abspath(cache_dir)}{layout}: {report.entries} entries, {size}")
     if getattr(args, "verify", False):
         print(f"verified {report.verified} entries, {report.digest_mismatch} changed on disk")
     for line in report.problems:
@@ -100,7 +136,7 @@ def store_check(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     """The store's check, then the stray files (reported; the exit status is the store's)."""
     status = store_check(args)
-    strays = stray_files(args.cache_dir)
+    strays = stray_files(args.cache_dir, getattr(args, "layout", FLAT))
     for name, size in strays:
         what = "a directory" if size is None else f"{size} bytes"
         print(f"stray: {name} ({what}): not a cache file; left alone, outside --cache-size")

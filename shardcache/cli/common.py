@@ -90,7 +90,9 @@ def cache_dir_arg(given: str | None) -> str:
     uid = os.getuid() if hasattr(os, "getuid") else "?"
     try:
         is_dir = stat.S_ISDIR(os.stat(cache_dir).st_mode)
-        names = os.listdir(cache_dir) if is_dir else []
+        if is_dir:  # readable: the listing opens (not every name read: a flat cache of
+            with os.scandir(cache_dir) as it:  # millions would take seconds and GBs)
+                next(it, None)
     except FileNotFoundError:
         raise ToolError(f"--cache-dir: {cache_dir} does not exist") from None
     except NotADirectoryError:
@@ -102,7 +104,7 @@ def cache_dir_arg(given: str | None) -> str:
         ) from None
     if not is_dir:
         raise ToolError(f"--cache-dir: {cache_dir} is not a directory")
-    if INDEX_NAME not in names:
+    if not os.path.lexists(os.path.join(cache_dir, INDEX_NAME)):
         raise ToolError(f"--cache-dir: {cache_dir} is not a shardcache cache (no {INDEX_NAME})")
     return cache_dir
 

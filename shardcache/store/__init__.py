@@ -7,6 +7,10 @@ Layout of ``cache_dir``::
     <key>.<random>.del                    an evicted entry waiting to be unlinked
     .shardcache.sqlite (+ -wal, -shm)     the index
 
+or, in the ``fanout`` layout (``Store(layout="fanout")``, recorded in the index when it
+is made), each entry, ``.part`` and ``.del`` file one level down, in ``<first two hex
+digits of the key>/``.
+
 The store is synchronous. Async callers run each call in a thread
 (``asyncio.to_thread``); each call is one transaction plus a stat or a rename (commits
 of several threads ready at once share one transaction and one directory fsync). Hits
@@ -38,11 +42,14 @@ from shardcache.eviction import POLICIES, choose_victims, eviction_order
 from shardcache.store.diskerrors import FULL_ERRNOS, STORE_ERRNOS, disk_full, store_write_error
 from shardcache.store.entry import Entry, Partial
 from shardcache.store.facade import DEFAULT_CACHE_SIZE, DEFAULT_POLICY, EvictionPolicy, Store
-from shardcache.store.index import BUSY_TIMEOUT_MS, FORMAT_VERSION
+from shardcache.store.index import BUSY_TIMEOUT_MS, FANOUT_FORMAT, FORMAT_VERSION
 from shardcache.store.names import (
     DEL_SUFFIX,
+    FANOUT,
+    FLAT,
     HOST,
     INDEX_NAME,
+    LAYOUTS,
     PART_SUFFIX,
     STALE_AGE,
     SettingNames,

@@ -85,7 +85,7 @@ class Access(Index, Naming):
             raise CacheError(f"{self.cache_dir / INDEX_NAME}: cannot read index: {exc}") from exc
         if row is None:
             return None
-        entry = row_to_entry(self.cache_dir, row)
+        entry = row_to_entry(self.cache_dir, row, self.layout)
         try:  # the file this row describes, as near the read as can be
             stamp: Stamp | None = file_stamp(os.stat(entry.path))
         except OSError:
@@ -289,7 +289,7 @@ class Access(Index, Naming):
                 )
             if row is None:
                 return None
-            entry = row_to_entry(self.cache_dir, row)
+            entry = row_to_entry(self.cache_dir, row, self.layout)
             if size_of(entry.path) == entry.size:
                 return entry
             # Re-check under the write lock before dropping anything.
@@ -299,7 +299,7 @@ class Access(Index, Naming):
             row = conn.execute(f"SELECT {ENTRY_COLS} FROM entries WHERE key = ?", (key,)).fetchone()
             if row is None:
                 return None
-            entry = row_to_entry(self.cache_dir, row)
+            entry = row_to_entry(self.cache_dir, row, self.layout)
             actual = size_of(entry.path)
             if actual != entry.size:
                 log.warning(

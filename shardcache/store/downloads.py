@@ -83,7 +83,7 @@ class Downloads(Space):
         if need > self.cache_size:
             return None
         name = part_name(key)
-        path = self.cache_dir / name
+        path = self._place(name)  # beside its entry: the commit's rename stays in one directory
         planned = self._planned()  # outside the transaction: it may take a while
         with self._tx() as conn:
             dead = self._drop_dead_reservations(conn)
@@ -110,8 +110,16 @@ class Downloads(Space):
         self._finish_evictions(evicted)
         partial = Partial(url=url, key=key, path=path, expected_size=expected_size, reserved=need)
         try:
-            with open(path, "xb"):
-                pass
+            try:
+                with open(path, "xb"):
+                    pass
+            except FileNotFoundError:
+                if path.parent == self.cache_dir:
+                    raise
+                path.parent.mkdir(exist_ok=True)  # a fan-out subdirectory removed by hand
+                self._fsync_dir(self.cache_dir)
+                with open(path, "xb"):
+                    pass
         except OSError as exc:
             with contextlib.suppress(CacheError):
                 self.abort(partial)
@@ -199,7 +207,7 @@ class Downloads(Space):
             raise store_write_error("commit", partial.path, exc) or CacheError(
                 f"{partial.path}: cannot flush download: {exc}"
             ) from exc
-        target = self.cache_dir / partial.key
+        target = self._place(partial.key)
         # A new version of a cached URL: the old entry goes first, in a transaction of its
         # own. Renaming the new file over the old one inside the transaction that updates
         # the row would leave, after a crash between the rename and the commit, the new
@@ -225,7 +233,7 @@ class Downloads(Space):
             raise done.error
         partial.reserved = 0
         self._finish_evictions(done.evicted)
-        entry = row_to_entry(self.cache_dir, row)
+        entry = row_to_entry(self.cache_dir, row, self.layout)
         self._mem.put(entry, done.stamp)
         with self._touch_lock:
             self._touched.pop(partial.key, None)  # accesses of a replaced entry
@@ -280,7 +288,12 @@ class Downloads(Space):
                         conn.execute("ROLLBACK TO one_commit")
                         c.error = exc
                     conn.execute("RELEASE one_commit")
-            self._fsync_dir()
+            # each directory a rename went into, once (the fan-out layout: the entries'
+            # own subdirectories)
+            for directory in dict.fromkeys(
+                self._place(c.partial.key).parent for c in group if c.error is None
+            ):
+                self._fsync_dir(directory)
         except CacheError as exc:  # the transaction as a whole: none of the group is in
             for c in group:
                 if c.error is None:
@@ -298,7 +311,7 @@ class Downloads(Space):
         """Inside the transaction: release the reservation, make room, insert the row and
         rename the file into place (last: a failed rename rolls the row back with it)."""
         partial = c.partial
-        target = self.cache_dir / partial.key
+        target = self._place(partial.key)
         conn.execute("DELETE FROM reservations WHERE name = ?", (partial.path.name,))
         # Replacing an entry of the same URL frees its bytes first.
         conn.execute("DELETE FROM entries WHERE key = ?", (partial.key,))
@@ -318,9 +331,10 @@ class Downloads(Space):
             c.stamp = None
         return evicted
 
-    def _fsync_dir(self) -> None:
+    def _fsync_dir(self, directory: Path) -> None:
+        """Make the renames into ``directory`` durable."""
         with contextlib.suppress(OSError):
-            fd = os.open(self.cache_dir, os.O_RDONLY)
+            fd = os.open(directory, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:

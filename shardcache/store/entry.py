@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardcache.meta import ObjectMeta
+from shardcache.store.names import FANOUT, FANOUT_CHARS, FLAT
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +86,9 @@ class Memo:
     path) leaves this row stale, and a file of the same size would otherwise be served
     under the old version's ETag, Last-Modified and digests."""
 
-    def __init__(self, cache_dir: Path, limit: int) -> None:
+    def __init__(self, cache_dir: Path, limit: int, layout: str = FLAT) -> None:
         self.cache_dir = cache_dir
+        self.layout = layout
         self.limit = limit
         self._rows: dict[bytes | str, bytes] = {}
 
@@ -104,7 +106,7 @@ class Memo:
         return Entry(
             key,
             url,
-            self.cache_dir / key,
+            entry_file(self.cache_dir, self.layout, key),
             size,
             None if nones & 2 else etag,
             None if nones & 4 else lm,
@@ -261,13 +263,21 @@ def digests_from(text: str | None) -> tuple[tuple[str, str], ...]:
         return ()
 
 
-def row_to_entry(cache_dir: Path, row: Sequence) -> Entry:
-    """The :class:`Entry` of an index row (its columns in :data:`ENTRY_COLS` order)."""
+def entry_file(cache_dir: Path, layout: str, key: str) -> Path:
+    """The path of the entry file of ``key`` in ``cache_dir`` of ``layout``."""
+    if layout == FANOUT:
+        return cache_dir / key[:FANOUT_CHARS] / key
+    return cache_dir / key
+
+
+def row_to_entry(cache_dir: Path, row: Sequence, layout: str = FLAT) -> Entry:
+    """The :class:`Entry` of an index row (its columns in :data:`ENTRY_COLS` order), its
+    file where ``layout`` puts it."""
     key, url, size, etag, lm, ctype, created, last_access, hits, validated, fields, dg = row
     return Entry(
         key=key,
         url=url,
-        path=cache_dir / key,
+        path=entry_file(cache_dir, layout, key),
         size=size,
         etag=etag,
         last_modified=lm,

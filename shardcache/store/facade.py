@@ -16,11 +16,12 @@ from shardcache.errors import CacheError, StoreUnusable, StoreWriteError
 from shardcache.eviction import POLICIES
 from shardcache.store.entry import Entry, Memo
 from shardcache.store.index import uid
-from shardcache.store.names import SettingNames
+from shardcache.store.names import FANOUT, FANOUT_DIRS, FLAT, LAYOUTS, SettingNames
 from shardcache.store.reconcile import Reconcile
 from shardcache.store.space import Advice, resolve_min_free
 
 EvictionPolicy = Literal["lru", "fifo", "keep"]
+Layout = Literal["flat", "fanout"]
 DEFAULT_POLICY: EvictionPolicy = "lru"  # the proxy's --eviction default too
 # the library's bound when none is given: none in practice (webdataset's cache_size default)
 DEFAULT_CACHE_SIZE: int = 10**15
@@ -54,6 +55,15 @@ class Store(Reconcile):
     the free space, less ``min_free``), the smaller bound is used and
     :attr:`size_warning` says so with both numbers.
 
+    ``layout`` is where the entry files go: ``"flat"``, all in ``cache_dir``, or
+    ``"fanout"``, each in the subdirectory named by the first two hex digits of its key
+    (256 of them; choose it above a few million entries on ext4 without ``large_dir``,
+    which holds ~9.4M names in one directory). It is chosen when the store is created
+    and recorded in its index: every later open (other processes, DataLoader workers,
+    ``shardcache check``, direct readers) follows the record. ``None`` (default) opens
+    any store as recorded and creates a flat one; a layout other than the recorded one
+    raises :class:`~shardcache.errors.StoreUnusable` naming both.
+
     A program on top keeps tables of its own in the index with :meth:`add_schema` and
     :meth:`transaction`, and has messages name its own settings with :attr:`names`.
     """
@@ -72,9 +82,12 @@ class Store(Reconcile):
         min_free: int | float | None = None,
         memo_entries: int = 100_000,
         defer_names_above: int | None = None,
+        layout: Layout | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {policy!r}; expected one of {POLICIES}")
+        if layout is not None and layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
         cache_size = int(cache_size)
         if cache_size < 0:
             raise ValueError(f"cache_size must be >= 0, got {cache_size}")
@@ -89,6 +102,8 @@ class Store(Reconcile):
         # the URL an entry is keyed and recorded by, from the URL fetched (the proxy drops
         # signatures here, so a URL signed afresh is the same entry); None: as it is
         self.key_url: Callable[[str], str] | None = None
+        self.layout: str = FLAT  # until the index says (below)
+        self._asked_layout: str | None = layout
         self.min_free_spec = min_free
         self.min_free = 0
         self.size_warning: str | None = None
@@ -125,6 +140,19 @@ class Store(Reconcile):
                 f"running as uid {uid()}: create it and make it writable by this uid, or "
                 f"choose another {self.names.cache_dir}"
             ) from exc
+        self.layout = self._recorded_layout()  # made now, recording ours, if new
+        self._mem.layout = self.layout
+        if layout is not None and layout != self.layout:
+            self._close_index()
+            raise StoreUnusable(
+                f"{self.cache_dir}: the store was created with the {self.layout} layout, "
+                f"and {self.names.layout} {layout} asks for the {layout} one; a store keeps "
+                f"the layout it was created with: leave {self.names.layout} unset (or "
+                f"{self.layout}) to open it, or choose another {self.names.cache_dir} for a "
+                f"{layout} store"
+            )
+        if self.layout == FANOUT:
+            self._make_subdirs()
         total, _ = self._disk()
         self.min_free = resolve_min_free(min_free, total)
         if reconcile:
@@ -135,6 +163,26 @@ class Store(Reconcile):
             except StoreWriteError as exc:
                 raise self._unusable(exc) from exc
             self._fit_to_disk()
+
+    def _make_subdirs(self) -> None:
+        """The 256 subdirectories of the fan-out layout (those that exist are kept),
+        made durable before an entry is renamed into one."""
+        made = 0
+        for name in FANOUT_DIRS:
+            try:
+                os.mkdir(self.cache_dir / name)
+                made += 1
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise StoreUnusable(
+                    f"{self.cache_dir / name}: cannot create the subdirectory of the fan-out "
+                    f"layout ({exc.strerror or exc}); running as uid {uid()}: make "
+                    f"{self.cache_dir} writable by this uid, or choose another "
+                    f"{self.names.cache_dir}"
+                ) from exc
+        if made:
+            self._fsync_dir(self.cache_dir)
 
     def close(self) -> None:
         """Record pending accesses, then close the index connection (the store reopens it
@@ -154,7 +202,8 @@ class Store(Reconcile):
 
     def __repr__(self) -> str:
         return (
-            f"Store({str(self.cache_dir)!r}, cache_size={self.cache_size}, policy={self.policy!r})"
+            f"Store({str(self.cache_dir)!r}, cache_size={self.cache_size}, policy={self.policy!r}"
+            + (f", layout={self.layout!r})" if self.layout != FLAT else ")")
         )
 
     def stats(self) -> dict:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from shardcache.errors import CacheError, StoreUnusable
 from shardcache.store.diskerrors import store_write_error
-from shardcache.store.names import INDEX_NAME, SettingNames
+from shardcache.store.names import FANOUT, FLAT, INDEX_NAME, LAYOUTS, SettingNames
 
 log = logging.getLogger("shardcache.store")
 
@@ -36,6 +36,11 @@ BUSY_TIMEOUT_MS = 60_000
 # by triggers (2 was never released; the claims table is now the daemon's own, made by
 # its add_schema, with the same columns)
 FORMAT_VERSION = 4  # 4: header fields and digests kept with each entry
+# the index of a store in the fan-out layout: format 4 with its files in subdirectories.
+# Its own number, so that a shardcache that reads only format 4 (and knows one flat
+# directory, where it would find no file of any row and drop them all) refuses it; a flat
+# store stays format 4, which every release since reads
+FANOUT_FORMAT = 5
 
 
 class Rollback(Exception):
@@ -66,6 +71,10 @@ CREATE TABLE IF NOT EXISTS reservations (
     created REAL NOT NULL,
     expected INTEGER,
     bytes INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS store_meta (
+    name TEXT PRIMARY KEY,          -- 'layout': flat or fanout, set when the index is made
+    value TEXT NOT NULL
 );
 """
 
@@ -113,6 +122,8 @@ class Index:
 
     cache_dir: Path
     names: SettingNames
+    layout: str  # FLAT or FANOUT: as recorded in the index (FLAT until it is read)
+    _asked_layout: str | None  # the layout a new index records (None: FLAT)
     _lock: threading.RLock
     _conn: sqlite3.Connection | None
     _pid: int
@@ -133,12 +144,13 @@ class Index:
             )
             conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > FORMAT_VERSION:
+            if version > FANOUT_FORMAT:
                 conn.close()
                 raise StoreUnusable(
                     f"{self.cache_dir / INDEX_NAME}: the index is format {version}, from a "
-                    f"newer shardcache (this one reads format {FORMAT_VERSION}); upgrade "
-                    f"shardcache, or use another {self.names.cache_dir} (running as uid {uid()})"
+                    f"newer shardcache (this one reads formats {FORMAT_VERSION} and "
+                    f"{FANOUT_FORMAT}); upgrade shardcache, or use another "
+                    f"{self.names.cache_dir} (running as uid {uid()})"
                 )
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")
@@ -162,6 +174,11 @@ class Index:
         """Create the tables, or bring an index of an older format up to this one."""
         conn.execute("BEGIN IMMEDIATE")
         try:
+            if conn.execute("PRAGMA user_version").fetchone()[0] >= FORMAT_VERSION:
+                # made or migrated by another process since the version was read: a
+                # fan-out index must not be taken for an older one (and made format 4)
+                conn.execute("COMMIT")
+                return
             existed = conn.execute(
                 "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'entries'"
             ).fetchone()
@@ -180,7 +197,16 @@ class Index:
                 conn.execute(UNTRACKED)
             for statement in _TOTALS:
                 conn.execute(statement)
-            conn.execute(f"PRAGMA user_version = {FORMAT_VERSION}")
+            layout = FLAT  # an index made by an earlier release: one flat directory
+            if not existed:  # a new store: the layout asked for, recorded with the index
+                layout = getattr(self, "_asked_layout", None) or FLAT
+                conn.execute(
+                    "INSERT OR REPLACE INTO store_meta (name, value) VALUES ('layout', ?)",
+                    (layout,),
+                )
+            conn.execute(
+                f"PRAGMA user_version = {FANOUT_FORMAT if layout == FANOUT else FORMAT_VERSION}"
+            )
             conn.execute("COMMIT")
         except BaseException:
             with contextlib.suppress(sqlite3.Error):
@@ -193,6 +219,33 @@ class Index:
                 max(version, 1),
                 FORMAT_VERSION,
             )
+
+    def _recorded_layout(self) -> str:
+        """The layout the index records (an index without a record, made before
+        layouts were, is flat); the index is made first if there is none, recording the
+        layout asked for. :class:`StoreUnusable` for a layout this shardcache does not
+        know."""
+        with self._lock:
+            conn = self._connect()
+            try:
+                has_meta = conn.execute(
+                    "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'store_meta'"
+                ).fetchone()
+                row = (
+                    conn.execute("SELECT value FROM store_meta WHERE name = 'layout'").fetchone()
+                    if has_meta
+                    else None
+                )
+            except sqlite3.Error as exc:
+                raise self._unusable(exc) from exc
+        layout = FLAT if row is None else str(row[0])
+        if layout not in LAYOUTS:
+            raise StoreUnusable(
+                f"{self.cache_dir / INDEX_NAME}: the index records the layout {layout!r}, "
+                f"which this shardcache does not know ({', '.join(LAYOUTS)}); upgrade "
+                f"shardcache, or use another {self.names.cache_dir}"
+            )
+        return layout
 
     def _add_order_indexes(self, conn: sqlite3.Connection) -> None:
         """Give an index of this format made by an earlier release the eviction-order
@@ -254,7 +307,8 @@ class Index:
                 raise self._unusable(PermissionError(f"{p} is not writable"))
         try:
             with self.transaction() as conn:  # also creates a program's own tables
-                conn.execute(f"PRAGMA user_version = {FORMAT_VERSION}")
+                version = FANOUT_FORMAT if self.layout == FANOUT else FORMAT_VERSION
+                conn.execute(f"PRAGMA user_version = {version}")
         except CacheError as exc:
             raise self._unusable(exc) from exc
 

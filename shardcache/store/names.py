@@ -7,6 +7,13 @@ Layout of ``cache_dir``::
     <key>.<random>.del                    an evicted entry waiting to be unlinked
     .shardcache.sqlite (+ -wal, -shm)     the index
 
+That is the ``flat`` layout. In the ``fanout`` layout each of those entry, ``.part`` and
+``.del`` files lives one level down, in the subdirectory named by the first two hex
+digits of its key (``ab/ab12…``: 256 subdirectories), so that no directory holds more
+than a 256th of the entries (ext4 without ``large_dir`` holds ~9.4M names in one
+directory). A store's layout is chosen when its index is created and recorded there
+(:func:`place` finds a file in either).
+
 An entry's key is ``shard_uuid`` of its URL as ``key_url`` makes it (the daemon drops
 signatures there). Rows the index keeps for a process (reservations, a user's claims)
 name its pid and host: :func:`owner_gone` says when such a row may be taken over. How the
@@ -34,6 +41,20 @@ INDEX_NAME = ".shardcache.sqlite"
 PART_SUFFIX = ".part"
 DEL_SUFFIX = ".del"
 STALE_AGE = 24 * 3600.0  # a .part or reservation older than this is stale whatever its pid
+
+FLAT = "flat"
+FANOUT = "fanout"
+LAYOUTS = (FLAT, FANOUT)
+FANOUT_CHARS = 2  # hex digits of the key naming its subdirectory: 256 subdirectories
+FANOUT_DIRS = tuple(f"{i:02x}" for i in range(16**FANOUT_CHARS))
+
+
+def place(base: str, layout: str, name: str) -> str:
+    """Where the file ``name`` (an entry key, or a ``.part``/``.del`` name, which starts
+    with its key) lives in the cache directory ``base`` of ``layout``."""
+    if layout == FANOUT:
+        return os.path.join(base, name[:FANOUT_CHARS], name)
+    return os.path.join(base, name)
 
 
 def pid_alive(pid: int) -> bool:
@@ -192,6 +213,7 @@ class SettingNames:
     cache_dir: str = "cache_dir"
     min_free: str = "min_free"
     keep: str = 'the "keep" policy'  # the policy that never evicts
+    layout: str = "layout"
 
 
 class Naming:
@@ -199,6 +221,13 @@ class Naming:
 
     cache_dir: Path
     key_url: Callable[[str], str] | None
+    layout: str  # FLAT or FANOUT, as the index records it
+
+    def _place(self, name: str) -> Path:
+        """The path of the file ``name`` (an entry key, a ``.part`` or ``.del`` name)."""
+        if self.layout == FANOUT:
+            return self.cache_dir / name[:FANOUT_CHARS] / name
+        return self.cache_dir / name
 
     def key(self, url: str) -> str:
         """The entry key of ``url``: ``shard_uuid`` of the full URL (as ``key_url`` makes
@@ -207,7 +236,7 @@ class Naming:
 
     def entry_path(self, url: str) -> Path:
         """Where the entry of ``url`` lives (whether or not it exists)."""
-        return self.cache_dir / self.key(url)
+        return self._place(self.key(url))
 
     def recorded_url(self, url: str) -> str:
         """The URL an entry of ``url`` is keyed and recorded by (``key_url``'s, when set)."""

@@ -23,6 +23,9 @@ from shardcache.errors import CacheError
 from shardcache.store.downloads import Downloads
 from shardcache.store.entry import Entry
 from shardcache.store.names import (
+    FANOUT,
+    FANOUT_CHARS,
+    FANOUT_DIRS,
     HOST,
     PathStr,
     is_del,
@@ -130,13 +133,34 @@ class Reconcile(Downloads):
                 )
 
     def _listing(self) -> Iterator[str]:
-        """The names in the cache directory, as the directory yields them (streamed)."""
-        try:
-            with os.scandir(self.cache_dir) as it:
-                for de in it:
-                    yield de.name
-        except OSError as exc:
-            raise CacheError(f"{self.cache_dir}: cannot list cache directory: {exc}") from exc
+        """The names in the cache directory, as the directory yields them (streamed); in
+        the fan-out layout, those of each subdirectory that belong there (a name under
+        another subdirectory is not the store's: ``shardcache check`` lists it as stray)."""
+        if self.layout != FANOUT:
+            try:
+                with os.scandir(self.cache_dir) as it:
+                    for de in it:
+                        yield de.name
+            except OSError as exc:
+                raise CacheError(f"{self.cache_dir}: cannot list cache directory: {exc}") from exc
+            return
+        for sub in FANOUT_DIRS:
+            path = os.path.join(self.cache_dir, sub)
+            try:
+                with os.scandir(path) as it:
+                    for de in it:
+                        if de.name.startswith(sub):
+                            yield de.name
+            except FileNotFoundError:
+                continue  # removed by hand: its entries are missing, made again on use
+            except OSError as exc:
+                raise CacheError(f"{path}: cannot list cache directory: {exc}") from exc
+
+    def _base_of(self, name: str) -> str:
+        """The directory of the file ``name`` (an entry key, a ``.part`` or ``.del``)."""
+        if self.layout == FANOUT:
+            return os.path.join(self.cache_dir, name[:FANOUT_CHARS])
+        return str(self.cache_dir)
 
     def _leftover(
         self, name: str, report: CheckReport, fix: bool, live: set[str], to_unlink: list[Path]
@@ -150,20 +174,20 @@ class Reconcile(Downloads):
                 report.stale_partials += 1
                 report.problems.append(f"stale partial download {name}")
                 if fix:
-                    to_unlink.append(self.cache_dir / name)
+                    to_unlink.append(self._place(name))
                     report.fixed.append(f"removed {name}")
             return True
         if is_del(name):
             report.problems.append(f"leftover evicted file {name}")
             if fix:
-                to_unlink.append(self.cache_dir / name)
+                to_unlink.append(self._place(name))
                 report.fixed.append(f"removed {name}")
             return True
         return False
 
     def _orphan(self, name: str, report: CheckReport, fix: bool, to_unlink: list[Path]) -> None:
         """An entry file without an index row: reported, and with ``fix`` removed."""
-        path = PathStr(str(self.cache_dir), name)
+        path = PathStr(self._base_of(name), name)
         size = size_of(str(path))
         if size is None:
             return
@@ -225,12 +249,11 @@ class Reconcile(Downloads):
                 self._orphan(name, report, fix, to_unlink)
         if found >= rows:
             return
-        base = str(self.cache_dir)
         gone = []
         cur = conn.execute("SELECT key, url FROM entries")
         try:
             for key, url in cur:
-                if not os.path.lexists(os.path.join(base, key)):
+                if not os.path.lexists(os.path.join(self._base_of(key), key)):
                     gone.append((key, url))
                     if found + len(gone) >= rows:
                         break
@@ -254,7 +277,6 @@ class Reconcile(Downloads):
             for r in conn.execute("SELECT key, url, size FROM entries").fetchall()
         }
         seen: set[str] = set()
-        base = str(self.cache_dir)
         for name in list(self._listing()):  # a snapshot: files are moved aside below
             if self._leftover(name, report, fix, live, to_unlink) or not is_uuid(name):
                 continue
@@ -263,7 +285,7 @@ class Reconcile(Downloads):
             if entry is None:
                 self._orphan(name, report, fix, to_unlink)
                 continue
-            path = PathStr(base, name)
+            path = PathStr(self._base_of(name), name)
             size = size_of(str(path))
             if size is None or size == entry.size:
                 continue
@@ -440,7 +462,6 @@ class Reconcile(Downloads):
 
     def _names_live(self, report: CheckReport) -> None:
         stop = self._names_stop
-        base = str(self.cache_dir)
         orphans: list[str] = []  # names without a row in the snapshot
         others: list[str] = []  # .part and .del names
         gone: list[str] = []  # rows of the snapshot whose file was not there
@@ -485,7 +506,7 @@ class Reconcile(Downloads):
                     for i, (key,) in enumerate(cur):
                         if i % NAMES_PER_QUERY == 0 and stop.is_set():
                             raise _Stopped
-                        if not os.path.lexists(os.path.join(base, key)):
+                        if not os.path.lexists(os.path.join(self._base_of(key), key)):
                             gone.append(key)
                             if found + len(gone) >= rows:
                                 break
@@ -531,6 +552,6 @@ class Reconcile(Downloads):
                 self._leftover(name, report, True, set(), to_unlink)
         else:
             row = conn.execute("SELECT url FROM entries WHERE key = ?", (name,)).fetchone()
-            if row is not None and not os.path.lexists(os.path.join(str(self.cache_dir), name)):
+            if row is not None and not os.path.lexists(self._place(name)):
                 self._missing(report, True, conn, name, row[0])
                 self._mem.pop(name, None)

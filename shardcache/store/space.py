@@ -163,7 +163,7 @@ class Space(Access):
         ]
         for name in stale:
             conn.execute("DELETE FROM reservations WHERE name = ?", (name,))
-        return [self.cache_dir / name for name in stale]
+        return [self._place(name) for name in stale]
 
     def _make_room(
         self,
@@ -259,7 +259,7 @@ class Space(Access):
                 for r in batch:
                     if r[0] in skip or r[0] in planned:
                         continue
-                    rows.append(row_to_entry(self.cache_dir, r))
+                    rows.append(row_to_entry(self.cache_dir, r, self.layout))
                     total += r[2]
                     if total >= excess:
                         break
@@ -275,7 +275,7 @@ class Space(Access):
             chunk = keys[i : i + KEYS_PER_QUERY]
             marks = ",".join("?" * len(chunk))
             rows.extend(
-                row_to_entry(self.cache_dir, r)
+                row_to_entry(self.cache_dir, r, self.layout)
                 for r in conn.execute(
                     f"SELECT {ENTRY_COLS} FROM entries WHERE key IN ({marks})", chunk
                 )
@@ -331,7 +331,7 @@ class Space(Access):
             row = conn.execute(f"SELECT {ENTRY_COLS} FROM entries WHERE key = ?", (key,)).fetchone()
             if row is None:
                 return False
-            entry = row_to_entry(self.cache_dir, row)
+            entry = row_to_entry(self.cache_dir, row, self.layout)
             conn.execute("DELETE FROM entries WHERE key = ?", (key,))
             self._mem.pop(key, None)
             moved = self._move_aside(entry.path)
@@ -343,7 +343,7 @@ class Space(Access):
         """Purge every entry (downloads in progress are left alone). Returns the count."""
         with self._tx() as conn:
             rows = [
-                row_to_entry(self.cache_dir, r)
+                row_to_entry(self.cache_dir, r, self.layout)
                 for r in conn.execute(f"SELECT {ENTRY_COLS} FROM entries").fetchall()
             ]
             conn.execute("DELETE FROM entries")
@@ -358,7 +358,7 @@ class Space(Access):
         """All entries in eviction order (first = next victim; by LRU order for ``keep``)."""
         with self._lock:
             rows = [
-                row_to_entry(self.cache_dir, r)
+                row_to_entry(self.cache_dir, r, self.layout)
                 for r in self._connect().execute(f"SELECT {ENTRY_COLS} FROM entries").fetchall()
             ]
         return eviction_order(rows, "lru" if self.policy == "keep" else self.policy)

@@ -4,6 +4,7 @@ in-process app too) and the digests recorded with its entries."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -237,11 +238,19 @@ def stats(port: int, timeout: float = 10.0) -> dict:
 
 
 def part_files(cache_dir: Path) -> list[str]:
-    """The ``.part`` files (downloads in progress or left behind) in ``cache_dir``."""
+    """The ``.part`` files (downloads in progress or left behind) in ``cache_dir``, in
+    either layout: ``name`` at the top, ``ab/name`` in a fan-out subdirectory."""
     try:
-        return sorted(n for n in os.listdir(cache_dir) if n.endswith(".part"))
+        names = os.listdir(cache_dir)
     except FileNotFoundError:
         return []
+    found = [n for n in names if n.endswith(".part")]
+    for sub in names:
+        if len(sub) == 2 and os.path.isdir(os.path.join(cache_dir, sub)):
+            with contextlib.suppress(FileNotFoundError):
+                found += [f"{sub}/{n}" for n in os.listdir(os.path.join(cache_dir, sub))
+                          if n.endswith(".part")]  # fmt: skip
+    return sorted(found)
 
 
 def wait_idle(port: int, timeout: float = 15.0) -> dict:
