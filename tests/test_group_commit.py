@@ -256,3 +256,37 @@ def test_reservations_are_checked_once_per_process_not_once_per_row(tmp_path):
         sleeper.kill()
         sleeper.wait(10)
         store.close()
+
+
+def test_a_fanout_group_makes_each_entrys_subdirectory_durable(tmp_path):
+    """In the fan-out layout a group's renames go into several subdirectories: each of
+    them is fsynced (once) before the group's commits return."""
+    store = Store(tmp_path, cache_size=1 << 30, layout="fanout")
+    data = {f"http://h/f{i}": os.urandom(KiB + i) for i in range(12)}
+    partials = [begin_written(store, u, b) for u, b in data.items()]
+    real_fsync = os.fsync
+    synced: list[str] = []
+
+    def fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if os.path.isdir(path):
+            synced.append(path)
+        real_fsync(fd)
+
+    with mock.patch("os.fsync", fsync):
+        threads, results = commit_in_threads(store, partials, [len(b) for b in data.values()])
+        for t in threads:
+            t.join(30)
+    assert not any(isinstance(r, Exception) for r in results), results
+    dirs = {str(r.path.parent) for r in results}
+    assert len(dirs) > 1  # the test means something: the entries are spread
+    assert all(str(tmp_path) != d for d in dirs)
+    assert dirs <= set(synced), (dirs, synced)
+    store.close()
+    again = Store(tmp_path, cache_size=1 << 30)
+    for u, b in data.items():
+        hit = again.open_hit(u)
+        assert hit is not None, u
+        with hit[1] as f:
+            assert f.read() == b
+    again.close()
