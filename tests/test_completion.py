@@ -79,7 +79,7 @@ def test_bash_completes_commands_flags_choices_and_files(tmp_path):
         cwd=data,
     )
     assert got[0] == ["serve"]
-    assert got[1] == ["--cache-dir", "--cache-size"]
+    assert got[1] == ["--cache-dir", "--cache-size", "--cache-layout"]
     assert got[2] == ["warning"]
     assert got[3] == ["on", "off"]
     assert got[4] == ["shards.toml"]  # a PATH-like metavar: file names
